@@ -1,0 +1,129 @@
+"""The embedded default task: synthetic arithmetic word problems with one integer answer, and its verifier.
+
+Rows use the GSM8K layout (``question``, ``answer`` where the answer may end in ``#### 42``); OpenMathInstruct-2 style
+files (``problem`` / ``expected_answer``) work by naming the columns in the config (``data.question_key``,
+``data.answer_key``).
+
+The model answers in the form ``... = 68. The answer is \\boxed{68}.``; the verifier extracts the last ``\\boxed{}``
+(or, failing that, the last number), normalizes it and compares numerically; ``math-verify`` is the fallback for
+anything that is not a plain number (fractions, expressions).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+# Word-problem templates: (text, operation). {a}/{b} are the operands, {x}/{y} names and objects.
+_NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lea", "Max", "Nia", "Omar", "Pia"]
+_THINGS = ["apples", "books", "coins", "pens", "cards", "shells", "stamps", "marbles", "cookies", "stickers"]
+_TEMPLATES = [
+    ("{x} has {a} {t}. {y} gives {x} {b} more. How many {t} does {x} have now?", "+"),
+    ("{x} had {a} {t} and found {b} more. How many {t} does {x} have?", "+"),
+    ("What is {a} plus {b}?", "+"),
+    ("{x} has {a} {t} and gives {b} to {y}. How many {t} are left?", "-"),
+    ("There are {a} {t}. {x} takes away {b}. How many remain?", "-"),
+    ("What is {a} minus {b}?", "-"),
+    ("{x} buys {a} bags with {b} {t} each. How many {t} in total?", "*"),
+    ("What is {a} times {b}?", "*"),
+]
+
+SYSTEM_PROMPT = "Solve the problem. End with: The answer is \\boxed{N}."
+
+
+def make_problem(rng: random.Random) -> dict:
+    """One problem: question text, integer answer (as a string) and a worked solution used by the SFT bootstrap."""
+    text, op = rng.choice(_TEMPLATES)
+    if op == "*":
+        a, b = rng.randint(2, 12), rng.randint(2, 9)
+    else:
+        a, b = rng.randint(2, 99), rng.randint(1, 99)
+        if op == "-" and b > a:
+            a, b = b, a
+    x, y = rng.sample(_NAMES, 2)
+    question = text.format(a=a, b=b, x=x, y=y, t=rng.choice(_THINGS))
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    solution = f"{a} {op} {b} = {value}. The answer is \\boxed{{{value}}}."
+    return {"question": question, "answer": str(value), "solution": solution}
+
+
+def generate_splits(out_dir: str | Path, *, n_train: int = 4000, n_validation: int = 200, seed: int = 0) -> dict[str, Path]:
+    """Write ``train.jsonl`` and ``validation.jsonl`` (columns question / answer / solution) and return their paths.
+
+    Validation questions never appear in train (deduplicated on the question text).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    splits = {"validation": n_validation, "train": n_train}
+    paths = {}
+    for name, count in splits.items():
+        rows = []
+        while len(rows) < count:
+            row = make_problem(rng)
+            if row["question"] in seen:
+                continue
+            seen.add(row["question"])
+            rows.append(row)
+        path = out / f"{name}.jsonl"
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(path)
+        paths[name] = path
+    return paths
+
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def normalize_number(text: str) -> str | None:
+    """'1,234' → '1234', '42.0' → '42', ' $7 ' → '7'; None when no number is present."""
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    raw = found[-1].replace(",", "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return str(int(value)) if value == int(value) else repr(value)
+
+
+def reference_answer(answer: str) -> str:
+    """The gold answer of a row: GSM8K's '... #### 42' → '42'; a plain '42' stays '42'."""
+    if "####" in answer:
+        answer = answer.rsplit("####", 1)[1]
+    return answer.strip()
+
+
+def extract_answer(response: str) -> str | None:
+    """The model's final answer: the last \\boxed{...}, else the last number in the response."""
+    boxed = _BOXED.findall(response)
+    if not boxed:
+        return normalize_number(response)
+    candidate = boxed[-1].strip().strip("$").strip()
+    return normalize_number(candidate) if _NUMBER.fullmatch(candidate.replace(",", "")) else (candidate or None)
+
+
+def is_correct(response: str, answer: str) -> bool:
+    """Numeric comparison after normalization; math-verify for non-numeric gold answers (fractions, expressions)."""
+    gold = reference_answer(answer)
+    pred = extract_answer(response)
+    if pred is None:
+        return False
+    gold_num = normalize_number(gold) if _NUMBER.fullmatch(gold.replace(",", "").strip()) else None
+    if gold_num is not None:
+        return pred == gold_num
+    from math_verify import parse, verify  # only for non-numeric answers: sympy import is slow
+
+    return bool(verify(parse(f"${gold}$", parsing_timeout=None), parse(f"${pred}$", parsing_timeout=None),
+                       timeout_seconds=None))
+
+
+def reward(response: str, answer: str) -> float:
+    """1.0 for a correct final answer, else 0.0."""
+    return 1.0 if is_correct(response, answer) else 0.0

@@ -1,0 +1,127 @@
+"""The embedded default model: a tiny Qwen3-architecture causal LM with a byte-level BPE tokenizer trained locally.
+
+Nothing is downloaded: the tokenizer is trained on the synthetic math task's text, the model is initialised from a
+config, and both are saved in Hugging Face format (config.json + model.safetensors + tokenizer files with a Qwen-style
+chat template), so vLLM and transformers load it like any hub model. ``build_tiny_model`` is cached: a directory that
+already holds a complete model (its ``.complete`` marker is written last) is returned as is.
+
+Shapes are chosen for FP8: every linear's in/out features are multiples of 128, so the 128x128 weight blocks and
+1x128 activation groups of the blockwise recipe tile exactly (~2.6M parameters with the defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from workers.math_task import SYSTEM_PROMPT, make_problem
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    vocab_size: int = 1024
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 512
+    seed: int = 0
+    tokenizer_corpus_size: int = 20000
+
+    def __post_init__(self):
+        for key in ("hidden_size", "intermediate_size"):
+            if getattr(self, key) % 128:
+                raise ValueError(f"tiny_model.{key} must be a multiple of 128 for FP8 blocks, got {getattr(self, key)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("tiny_model.num_attention_heads must be a multiple of num_key_value_heads")
+
+
+def _corpus(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed + 1)
+    lines = []
+    for _ in range(n):
+        row = make_problem(rng)
+        lines.append(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{row['question']}<|im_end|>\n"
+                     f"<|im_start|>assistant\n{row['solution']}<|im_end|>\n")
+    return lines
+
+
+def build_tokenizer(spec: TinyModelSpec):
+    """Train a byte-level BPE tokenizer on the task's text; digits are split one per token (arithmetic-friendly)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(spec.tokenizer_corpus_size, spec.seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                   bos_token=None, unk_token=None, additional_special_tokens=["<|im_start|>",
+                                                                                              "<|endoftext|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def qwen3_config(spec: TinyModelSpec, tokenizer):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False, rope_theta=10000.0,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        torch_dtype="bfloat16",
+    )
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, *, overwrite: bool = False) -> Path:
+    """Create (or reuse) a randomly initialised tiny Qwen3 + tokenizer in HF format at ``out_dir``."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    marker = out / ".complete"
+    if marker.exists() and not overwrite:
+        if json.loads(marker.read_text()) == asdict(spec):
+            return out
+        raise ValueError(f"{out} holds a tiny model built from another spec; pass overwrite=True or another directory")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = build_tokenizer(spec)
+    torch.manual_seed(spec.seed)
+    model = Qwen3ForCausalLM(qwen3_config(spec, tokenizer)).to(torch.bfloat16)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".complete").write_text(json.dumps(asdict(spec)))
+    tmp.rename(out)
+    return out
+
+
+def chat_prompt(tokenizer, question: str) -> str:
+    """The prompt text the policy sees for one question (system + user turn, generation prompt)."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
