@@ -1,0 +1,526 @@
+"""The one schema for training recipes: frozen dataclasses + a loader for YAML files with dotted ``key=value`` overrides.
+
+Key names follow the seed (NeMo RL's GRPO recipes) so its recipes read the same here:
+
+- ``policy.generation.vllm_cfg.{precision, kv_cache_dtype, num_first_layers_in_bf16, num_last_layers_in_bf16,
+  pow2_weight_scaling_factors, pow2_activation_scaling_factors}``: the rollout engine (vLLM).
+- ``policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe}``: the *trainer's* FP8 settings. We train with HF
+  transformers + fp8core, not Megatron; the section keeps the seed's name so seed recipes load unchanged, and
+  ``policy.megatron_cfg`` is documented as "the trainer section" (its other Megatron-only keys are not accepted).
+- ``loss_fn.*``, ``grpo.*``, ``checkpointing.*``, ``logger.mlflow.*`` as in the seed; ``data.*``, ``calibration.*``,
+  ``ray.*``, ``cluster.*``, ``bootstrap.*`` and ``run_dir`` are ours.
+
+Loading (``load_config``): the YAML may name a base recipe with ``defaults: other.yaml`` (path relative to the file);
+the file is deep-merged over its base, then each override ``a.b.c=value`` (value parsed as YAML) is applied, then the
+dict is converted to dataclasses. Unknown keys, wrong types and impossible combinations raise ``ConfigError`` whose
+message starts with the dotted path of the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+EMBEDDED = "embedded"  # policy.model_name / data paths: use the project's tiny model and synthetic math task
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used; the message starts with the dotted key path."""
+
+
+# ----------------------------------------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class VllmCfg:
+    """Rollout engine settings (seed names). ``precision: fp8`` = FP8 weights/activations in vLLM's linears."""
+
+    precision: Literal["bfloat16", "fp8"] = "bfloat16"
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    num_first_layers_in_bf16: int = 0
+    num_last_layers_in_bf16: int = 0
+    pow2_weight_scaling_factors: bool = False
+    pow2_activation_scaling_factors: bool = False
+    max_model_len: int = 256
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.6
+    kv_cache_memory_bytes: int | None = 64 * 2**20  # CPU: explicit KV budget (else vLLM reserves 92% of RAM)
+    enforce_eager: bool = True
+    use_deep_gemm: bool = False
+    threads: int = 2  # OMP threads inside the rollout actor
+
+    @property
+    def kv_fp8(self) -> bool:
+        return self.kv_cache_dtype.startswith("fp8")
+
+
+@dataclass(frozen=True)
+class GenerationCfg:
+    backend: Literal["vllm"] = "vllm"
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    vllm_cfg: VllmCfg = field(default_factory=VllmCfg)
+
+
+@dataclass(frozen=True)
+class Fp8Cfg:
+    """Trainer FP8 (seed: ``policy.megatron_cfg.fp8_cfg``). ``fp8``: e4m3 everywhere or hybrid (E5M2 gradients)."""
+
+    enabled: bool = False
+    fp8: Literal["e4m3", "hybrid"] = "e4m3"
+    fp8_recipe: Literal["blockwise", "rowwise", "tensorwise"] = "blockwise"
+    fp8_param: bool = False
+    num_first_layers_in_bf16: int = 0
+    num_last_layers_in_bf16: int = 0
+    pow2_weight_scaling_factors: bool = False
+    pow2_activation_scaling_factors: bool = False
+    backend: Literal["auto", "emulated", "scaled_mm"] = "auto"
+
+
+@dataclass(frozen=True)
+class MegatronCfg:
+    """The trainer section (name kept from the seed; the trainer is HF transformers + fp8core)."""
+
+    enabled: bool = False
+    fp8_cfg: Fp8Cfg = field(default_factory=Fp8Cfg)
+
+
+@dataclass(frozen=True)
+class OptimizerCfg:
+    """AdamW (torch.optim.AdamW)."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class SchedulerCfg:
+    """LR = lr * warmup(step) * decay(step): linear warmup over ``warmup_steps``, then constant / linear / cosine
+    decay to ``min_lr_ratio * lr`` at ``grpo.max_num_steps``."""
+
+    warmup_steps: int = 0
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    min_lr_ratio: float = 0.1
+
+
+@dataclass(frozen=True)
+class PolicyCfg:
+    model_name: str = EMBEDDED
+    tokenizer_name: str | None = None  # default: model_name
+    train_global_batch_size: int = 32
+    train_micro_batch_size: int = 8
+    logprob_batch_size: int = 16
+    max_total_sequence_length: int = 256
+    precision: Literal["bfloat16", "float32"] = "bfloat16"
+    max_grad_norm: float = 1.0
+    optimizer: OptimizerCfg = field(default_factory=OptimizerCfg)
+    scheduler: SchedulerCfg = field(default_factory=SchedulerCfg)
+    megatron_cfg: MegatronCfg = field(default_factory=MegatronCfg)
+    generation: GenerationCfg = field(default_factory=GenerationCfg)
+    threads: int = 2  # torch threads inside the policy actor
+
+
+@dataclass(frozen=True)
+class LossFnCfg:
+    """Clipped policy-gradient loss (PPO/GRPO, DAPO clip-higher) with optional importance-sampling correction of the
+    rollout/trainer mismatch. Ratio r = pi_theta / pi_old is clamped to [1 - ratio_clip_min, 1 + ratio_clip_max]."""
+
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.28
+    ratio_clip_c: float | None = None  # dual-clip bound (>1) for negative advantages
+    token_level_loss: bool = True
+    reference_policy_kl_penalty: float = 0.0
+    use_importance_sampling_correction: bool = False
+    importance_sampling: Literal["tis", "icepop", "seq_mask_tis"] = "tis"
+    is_truncation: float = 2.0  # TIS cap C: weight = min(pi_old/pi_rollout, C)
+    is_mask_low: float = 0.5  # ICE-POP / seq-mask-TIS: keep tokens (or sequences) whose ratio lies in [low, high]
+    is_mask_high: float = 2.0
+
+
+@dataclass(frozen=True)
+class GrpoCfg:
+    num_prompts_per_step: int = 8
+    num_generations_per_prompt: int = 4
+    max_num_steps: int = 20
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = False
+    val_period: int = 5
+    val_at_start: bool = True
+    max_val_samples: int = 64
+    val_batch_size: int = 64
+    val_temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CalibrationCfg:
+    """FP8 calibrations on the policy: KV-cache scales (sent to vLLM at each refit) and Calibrated Clipping."""
+
+    kv_scales_period: int = 1  # steps between KV-scale calibrations when the KV cache is FP8 (0 = off)
+    kv_calibration_samples: int = 8  # prompts+responses of the current batch used for KV amax
+    calibrated_clipping: bool = False
+    clip_period: int = 5  # K: recalibrate the clip bounds every K steps
+    clip_target_frac: float = 0.2  # target fraction of clipped tokens (each side)
+    clip_momentum: float = 0.9
+
+
+@dataclass(frozen=True)
+class DataCfg:
+    """Train / validation files (jsonl or parquet, file:// or s3://). ``embedded`` = the synthetic math task."""
+
+    train_path: str = EMBEDDED
+    validation_path: str = EMBEDDED
+    question_key: str = "question"
+    answer_key: str = "answer"
+    max_input_seq_length: int = 128
+    shuffle: bool = True
+    s3_endpoint_url: str | None = None  # credentials come from the environment, never from the recipe
+
+
+@dataclass(frozen=True)
+class CheckpointingCfg:
+    enabled: bool = True
+    checkpoint_dir: str = "checkpoints"  # relative = under run_dir; file://, s3://
+    save_period: int = 10
+    resume: bool = False
+    keep_last_k: int | None = 2
+    s3_endpoint_url: str | None = None
+
+
+@dataclass(frozen=True)
+class MlflowCfg:
+    experiment_name: str = "fp8-grpo"
+    run_name: str | None = None
+    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///<run_dir>/mlflow.db
+
+
+@dataclass(frozen=True)
+class LoggerCfg:
+    mlflow_enabled: bool = True
+    mlflow: MlflowCfg = field(default_factory=MlflowCfg)
+    num_val_samples_to_print: int = 4
+    plot: bool = True
+
+
+@dataclass(frozen=True)
+class WorkerResources:
+    num_cpus: float = 1
+    num_gpus: float = 0
+
+
+@dataclass(frozen=True)
+class RayCfg:
+    address: str | None = None  # None: start a local Ray on 127.0.0.1 with its temp dir under run_dir
+    num_cpus: int | None = None
+    policy_worker: WorkerResources = field(default_factory=WorkerResources)
+    rollout_worker: WorkerResources = field(default_factory=WorkerResources)
+
+
+@dataclass(frozen=True)
+class ClusterCfg:
+    num_nodes: int = 1
+    gpus_per_node: int = 0
+
+
+@dataclass(frozen=True)
+class BootstrapCfg:
+    """Supervised warm start of the embedded tiny model (cached under ``assets_dir``)."""
+
+    assets_dir: str = "runs/assets"
+    sft_steps: int = 300
+
+
+@dataclass(frozen=True)
+class Config:
+    run_dir: str = "runs/default"
+    recipe: str = "custom"  # tag in MLflow; set from the YAML file name when loaded
+    policy: PolicyCfg = field(default_factory=PolicyCfg)
+    loss_fn: LossFnCfg = field(default_factory=LossFnCfg)
+    grpo: GrpoCfg = field(default_factory=GrpoCfg)
+    calibration: CalibrationCfg = field(default_factory=CalibrationCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    checkpointing: CheckpointingCfg = field(default_factory=CheckpointingCfg)
+    logger: LoggerCfg = field(default_factory=LoggerCfg)
+    ray: RayCfg = field(default_factory=RayCfg)
+    cluster: ClusterCfg = field(default_factory=ClusterCfg)
+    bootstrap: BootstrapCfg = field(default_factory=BootstrapCfg)
+
+    def __post_init__(self):
+        _validate(self)
+
+    # -- derived ------------------------------------------------------------------------------------------------------
+    @property
+    def precision_tag(self) -> str:
+        """'bf16', 'fp8-rollout', 'fp8-e2e', 'fp8-e2e-kv' (MLflow tag)."""
+        gen, train = self.policy.generation.vllm_cfg, self.policy.megatron_cfg.fp8_cfg
+        if gen.precision != "fp8" and not train.enabled:
+            return "bf16-kvfp8" if gen.kv_fp8 else "bf16"
+        tag = "fp8-e2e" if train.enabled and gen.precision == "fp8" else (
+            "fp8-rollout" if gen.precision == "fp8" else "fp8-train")
+        return tag + ("-kvfp8" if gen.kv_fp8 else "")
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Flattened resolved config (dotted keys), e.g. for MLflow params."""
+        return flatten(self.to_dict())
+
+
+# ------------------------------------------------------------------------------------------------------ validation
+def _check(cond: bool, path: str, msg: str):
+    if not cond:
+        raise ConfigError(f"{path}: {msg}")
+
+
+def _validate(c: Config):
+    g, p, lf, cal = c.grpo, c.policy, c.loss_fn, c.calibration
+    vc, f8 = p.generation.vllm_cfg, p.megatron_cfg.fp8_cfg
+    for path, value in [("grpo.num_prompts_per_step", g.num_prompts_per_step), ("grpo.max_num_steps", g.max_num_steps),
+                        ("policy.train_micro_batch_size", p.train_micro_batch_size),
+                        ("policy.train_global_batch_size", p.train_global_batch_size),
+                        ("policy.logprob_batch_size", p.logprob_batch_size),
+                        ("policy.generation.max_new_tokens", p.generation.max_new_tokens),
+                        ("grpo.max_val_samples", g.max_val_samples), ("grpo.val_batch_size", g.val_batch_size),
+                        ("policy.threads", p.threads), ("policy.generation.vllm_cfg.threads", vc.threads)]:
+        _check(value >= 1, path, f"must be >= 1, got {value}")
+    _check(g.num_generations_per_prompt >= 2, "grpo.num_generations_per_prompt",
+           f"GRPO needs >= 2 generations per prompt for a group baseline, got {g.num_generations_per_prompt}")
+    batch = g.num_prompts_per_step * g.num_generations_per_prompt
+    _check(batch % p.train_global_batch_size == 0, "policy.train_global_batch_size",
+           f"{p.train_global_batch_size} must divide grpo.num_prompts_per_step * grpo.num_generations_per_prompt "
+           f"= {batch}")
+    _check(p.train_global_batch_size % p.train_micro_batch_size == 0, "policy.train_micro_batch_size",
+           f"{p.train_micro_batch_size} must divide policy.train_global_batch_size = {p.train_global_batch_size}")
+    _check(g.val_period >= 0, "grpo.val_period", f"must be >= 0 (0 = only at start/end), got {g.val_period}")
+    _check(0.0 <= lf.ratio_clip_min < 1.0, "loss_fn.ratio_clip_min", f"must be in [0, 1), got {lf.ratio_clip_min}")
+    _check(lf.ratio_clip_max >= 0.0, "loss_fn.ratio_clip_max", f"must be >= 0, got {lf.ratio_clip_max}")
+    _check(lf.ratio_clip_c is None or lf.ratio_clip_c > 1.0, "loss_fn.ratio_clip_c",
+           f"dual-clip bound must be > 1, got {lf.ratio_clip_c}")
+    _check(lf.reference_policy_kl_penalty == 0.0, "loss_fn.reference_policy_kl_penalty",
+           "a reference-policy KL term is not implemented (no reference model is kept); set it to 0")
+    _check(lf.is_truncation > 0, "loss_fn.is_truncation", f"must be > 0, got {lf.is_truncation}")
+    _check(0 <= lf.is_mask_low < 1 < lf.is_mask_high, "loss_fn.is_mask_low",
+           f"need 0 <= is_mask_low < 1 < is_mask_high, got [{lf.is_mask_low}, {lf.is_mask_high}]")
+    _check(p.max_grad_norm > 0, "policy.max_grad_norm", f"must be > 0, got {p.max_grad_norm}")
+    _check(p.optimizer.lr > 0, "policy.optimizer.lr", f"must be > 0, got {p.optimizer.lr}")
+    _check(0.0 <= p.scheduler.min_lr_ratio <= 1.0, "policy.scheduler.min_lr_ratio", "must be in [0, 1]")
+    _check(p.generation.temperature > 0, "policy.generation.temperature",
+           "must be > 0 for RL rollouts (logprobs of greedy decoding are not a policy)")
+    _check(0 < p.generation.top_p <= 1, "policy.generation.top_p", f"must be in (0, 1], got {p.generation.top_p}")
+    for path, v in [("policy.generation.vllm_cfg.num_first_layers_in_bf16", vc.num_first_layers_in_bf16),
+                    ("policy.generation.vllm_cfg.num_last_layers_in_bf16", vc.num_last_layers_in_bf16),
+                    ("policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16", f8.num_first_layers_in_bf16),
+                    ("policy.megatron_cfg.fp8_cfg.num_last_layers_in_bf16", f8.num_last_layers_in_bf16)]:
+        _check(v >= 0, path, f"must be >= 0, got {v}")
+    # Impossible combinations -------------------------------------------------------------------------------------
+    if vc.precision != "fp8":
+        for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16", "pow2_weight_scaling_factors",
+                    "pow2_activation_scaling_factors"):
+            _check(not getattr(vc, key), f"policy.generation.vllm_cfg.{key}",
+                   "only applies to FP8 rollouts: set policy.generation.vllm_cfg.precision=fp8 or leave it unset")
+    if not f8.enabled:
+        _check(f8 == Fp8Cfg(), "policy.megatron_cfg.fp8_cfg",
+               "FP8 training settings given but policy.megatron_cfg.fp8_cfg.enabled is false")
+    _check(not f8.fp8_param, "policy.megatron_cfg.fp8_cfg.fp8_param",
+           "FP8 parameter storage is not supported (master weights stay BF16/FP32)")
+    if vc.kv_fp8:
+        _check(cal.kv_scales_period >= 1, "calibration.kv_scales_period",
+               f"policy.generation.vllm_cfg.kv_cache_dtype={vc.kv_cache_dtype} needs calibrated K/V scales "
+               "(period >= 1); with 0 the cache would quantize with unit scales")
+        _check(cal.kv_calibration_samples >= 1, "calibration.kv_calibration_samples", "must be >= 1 with an FP8 KV cache")
+    if cal.calibrated_clipping:
+        _check(cal.clip_period >= 1, "calibration.clip_period", f"must be >= 1, got {cal.clip_period}")
+        _check(0 < cal.clip_target_frac < 0.5, "calibration.clip_target_frac", "must be in (0, 0.5)")
+        _check(0 <= cal.clip_momentum < 1, "calibration.clip_momentum", "must be in [0, 1)")
+    _check(p.generation.max_new_tokens + c.data.max_input_seq_length <= vc.max_model_len,
+           "policy.generation.vllm_cfg.max_model_len",
+           f"{vc.max_model_len} is shorter than data.max_input_seq_length + policy.generation.max_new_tokens")
+    _check(p.generation.max_new_tokens + c.data.max_input_seq_length <= p.max_total_sequence_length,
+           "policy.max_total_sequence_length",
+           f"{p.max_total_sequence_length} < data.max_input_seq_length ({c.data.max_input_seq_length}) + "
+           f"policy.generation.max_new_tokens ({p.generation.max_new_tokens})")
+    ck = c.checkpointing
+    if ck.enabled:
+        _check(ck.save_period >= 1, "checkpointing.save_period", f"must be >= 1, got {ck.save_period}")
+        _check(ck.keep_last_k is None or ck.keep_last_k >= 1, "checkpointing.keep_last_k", "must be >= 1 or null")
+    _check(not ck.resume or ck.enabled, "checkpointing.resume", "resume needs checkpointing.enabled: true")
+    _check(bool(c.data.question_key) and bool(c.data.answer_key), "data.question_key", "column names must be non-empty")
+
+
+# --------------------------------------------------------------------------------------------------------- loading
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(tp, value, path: str):
+    """Check ``value`` against the annotation ``tp`` (recursively) and return it in dataclass form."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path or '<root>'}: expected a mapping (section), got {type(value).__name__} {value!r}")
+        return _build(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{path}: must not be null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {_type_name(tp)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
+            raise ConfigError(f"{path}: must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(args):
+            raise ConfigError(f"{path}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML 1.1 reads '1e-4' (no dot) as a string: accept numeric strings of that form.
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported type {tp}")  # pragma: no cover - schema bug
+
+
+def _build(cls, data: Mapping, path: str):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        prefix = f"{path}." if path else ""
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key (valid keys here: {', '.join(sorted(names))})")
+    kwargs = {k: _convert(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except TypeError as e:  # pragma: no cover - schema bug
+        raise ConfigError(f"{path or '<root>'}: {e}") from e
+
+
+def deep_merge(base: dict, over: Mapping) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"defaults: circular recipe inheritance through {path}")
+    if not path.exists():
+        raise ConfigError(f"recipe file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping at top level")
+    base = data.pop("defaults", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"defaults: expected a recipe path string in {path}, got {base!r}")
+    return deep_merge(_read_yaml(path.parent / base, (*seen, path)), data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'grpo.max_num_steps=2' → (['grpo', 'max_num_steps'], 2); the value is parsed as YAML ('null', 'true', '[1,2]')."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value (e.g. grpo.max_num_steps=2)")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    return key.split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    data = dict(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, Mapping):
+                raise ConfigError(f"{'.'.join(parts[:i + 1])}: is a value, cannot set {'.'.join(parts)}")
+            node[part] = dict(child)
+            node = node[part]
+        node[parts[-1]] = value
+    return data
+
+
+def config_from_dict(data: Mapping, overrides: Sequence[str] = ()) -> Config:
+    return _build(Config, apply_overrides(dict(data), overrides), "")
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Load a recipe file (+ ``defaults:`` bases) and apply ``key=value`` overrides; the ``recipe`` tag defaults to
+    the file's stem."""
+    path = Path(path)
+    data = _read_yaml(path)
+    data.setdefault("recipe", path.stem)
+    return config_from_dict(data, overrides)
+
+
+def _to_plain(obj):
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

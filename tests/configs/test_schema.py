@@ -1,0 +1,129 @@
+"""The recipe schema: shipped recipes load, seed key names work, bad input is rejected with its dotted path."""
+from pathlib import Path
+
+import pytest
+
+from configs.schema import Config, ConfigError, config_from_dict, flatten, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TINY = ["tiny_bf16", "tiny_fp8_rollout", "tiny_fp8_e2e", "tiny_fp8_e2e_kv", "tiny_fp8_tensorwise_cc"]
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_recipes_load(name):
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    assert cfg.recipe == name
+    assert cfg.run_dir == f"runs/{name}"
+    assert cfg.policy.model_name == "embedded"
+
+
+def test_recipe_semantics():
+    bf16 = load_config(CONFIGS / "tiny_bf16.yaml")
+    e2e = load_config(CONFIGS / "tiny_fp8_e2e.yaml")
+    kv = load_config(CONFIGS / "tiny_fp8_e2e_kv.yaml")
+    cc = load_config(CONFIGS / "tiny_fp8_tensorwise_cc.yaml")
+    ro = load_config(CONFIGS / "tiny_fp8_rollout.yaml")
+    assert (bf16.precision_tag, ro.precision_tag, e2e.precision_tag, kv.precision_tag) == (
+        "bf16", "fp8-rollout", "fp8-e2e", "fp8-e2e-kvfp8")
+    assert e2e.policy.megatron_cfg.fp8_cfg.fp8_recipe == "blockwise"
+    assert cc.policy.megatron_cfg.fp8_cfg.fp8_recipe == "tensorwise" and cc.calibration.calibrated_clipping
+    # Same seed, steps and batch across the tiny family (fair comparisons).
+    for c in (e2e, kv, cc, ro):
+        assert (c.grpo, c.policy.optimizer) == (bf16.grpo, bf16.policy.optimizer)
+
+
+@pytest.mark.parametrize("name", ["llama3.1-8b-instruct-fp8-e2e", "qwen3-8b-base-fp8-e2e"])
+def test_gpu_recipes_validate(name):
+    cfg = load_config(CONFIGS / "gpu" / f"{name}.yaml")
+    vc = cfg.policy.generation.vllm_cfg
+    assert vc.precision == "fp8" and cfg.policy.megatron_cfg.fp8_cfg.fp8 == "e4m3"
+    assert cfg.policy.megatron_cfg.fp8_cfg.fp8_recipe == "blockwise"
+    assert cfg.cluster.gpus_per_node == 8 and cfg.checkpointing.checkpoint_dir.startswith("s3://")
+    assert (cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt) % cfg.policy.train_global_batch_size == 0
+    if name.startswith("qwen3"):
+        assert vc.kv_cache_dtype == "fp8" and cfg.policy.model_name == "Qwen/Qwen3-8B-Base"
+
+
+def test_seed_key_names_as_overrides():
+    cfg = load_config(CONFIGS / "tiny_bf16.yaml", [
+        "policy.generation.vllm_cfg.precision=fp8", "policy.generation.vllm_cfg.kv_cache_dtype=fp8",
+        "policy.generation.vllm_cfg.num_first_layers_in_bf16=1", "policy.generation.vllm_cfg.num_last_layers_in_bf16=1",
+        "policy.generation.vllm_cfg.pow2_weight_scaling_factors=true",
+        "policy.generation.vllm_cfg.pow2_activation_scaling_factors=true",
+        "policy.megatron_cfg.fp8_cfg.enabled=true", "policy.megatron_cfg.fp8_cfg.fp8=hybrid",
+        "policy.megatron_cfg.fp8_cfg.fp8_recipe=rowwise", "loss_fn.ratio_clip_max=0.3", "grpo.max_num_steps=2",
+        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "grpo.val_period=1",
+        "checkpointing.save_period=1", "logger.mlflow.experiment_name=x", "ray.address=auto", "optimizer_unused_ok=1",
+    ][:-1])
+    vc = cfg.policy.generation.vllm_cfg
+    assert (vc.precision, vc.kv_cache_dtype, vc.num_first_layers_in_bf16, vc.pow2_weight_scaling_factors) == (
+        "fp8", "fp8", 1, True)
+    assert cfg.policy.megatron_cfg.fp8_cfg.fp8 == "hybrid" and cfg.loss_fn.ratio_clip_max == 0.3
+    assert cfg.grpo.max_num_steps == 2 and cfg.ray.address == "auto" and cfg.logger.mlflow.experiment_name == "x"
+    flat = cfg.flat()
+    assert flat["policy.generation.vllm_cfg.kv_cache_dtype"] == "fp8" and flat["grpo.max_num_steps"] == 2
+
+
+@pytest.mark.parametrize("override, path", [
+    ("grpo.max_num_stepz=2", "grpo.max_num_stepz: unknown key"),
+    ("policy.generation.vllm_cfg.kv_cache_dtyp=fp8", "policy.generation.vllm_cfg.kv_cache_dtyp: unknown key"),
+    ("bogus=1", "bogus: unknown key"),
+    ("grpo.max_num_steps=two", "grpo.max_num_steps: expected an integer"),
+    ("grpo.max_num_steps=2.5", "grpo.max_num_steps: expected an integer"),
+    ("grpo.val_at_start=1", "grpo.val_at_start: expected true/false"),
+    ("policy.optimizer.lr=fast", "policy.optimizer.lr: expected a number"),
+    ("policy.optimizer.betas=[0.9]", "policy.optimizer.betas: expected a list of 2"),
+    ("policy.generation.vllm_cfg.precision=fp4", "policy.generation.vllm_cfg.precision: must be one of"),
+    ("policy.megatron_cfg.fp8_cfg.fp8_recipe=delayed", "policy.megatron_cfg.fp8_cfg.fp8_recipe: must be one of"),
+    ("grpo=3", "grpo: expected a mapping"),
+    ("grpo.max_num_steps.x=3", "grpo.max_num_steps: is a value"),
+])
+def test_bad_overrides_name_their_path(override, path):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "tiny_bf16.yaml", [override])
+    assert str(e.value).startswith(path), str(e.value)
+
+
+@pytest.mark.parametrize("overrides, path", [
+    # FP8 KV cache whose scales are never calibrated: it would quantize with unit scales.
+    (["policy.generation.vllm_cfg.kv_cache_dtype=fp8", "calibration.kv_scales_period=0"], "calibration.kv_scales_period"),
+    (["policy.generation.vllm_cfg.num_last_layers_in_bf16=1"], "policy.generation.vllm_cfg.num_last_layers_in_bf16"),
+    (["policy.megatron_cfg.fp8_cfg.fp8_recipe=rowwise"], "policy.megatron_cfg.fp8_cfg"),
+    (["grpo.num_generations_per_prompt=1", "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8"],
+     "grpo.num_generations_per_prompt"),
+    (["policy.train_global_batch_size=12"], "policy.train_global_batch_size"),
+    (["policy.train_micro_batch_size=5"], "policy.train_micro_batch_size"),
+    (["loss_fn.ratio_clip_min=1.5"], "loss_fn.ratio_clip_min"),
+    (["loss_fn.reference_policy_kl_penalty=0.01"], "loss_fn.reference_policy_kl_penalty"),
+    (["policy.max_total_sequence_length=100"], "policy.max_total_sequence_length"),
+    (["policy.generation.vllm_cfg.max_model_len=100"], "policy.generation.vllm_cfg.max_model_len"),
+    (["checkpointing.enabled=false", "checkpointing.resume=true"], "checkpointing.resume"),
+    (["policy.generation.temperature=0"], "policy.generation.temperature"),
+])
+def test_impossible_combinations(overrides, path):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "tiny_bf16.yaml", overrides)
+    assert str(e.value).startswith(path + ":"), str(e.value)
+
+
+def test_yaml_unknown_key_and_defaults(tmp_path):
+    (tmp_path / "base.yaml").write_text("grpo:\n  max_num_steps: 3\n")
+    (tmp_path / "child.yaml").write_text("defaults: base.yaml\ngrpo:\n  val_period: 1\n")
+    cfg = load_config(tmp_path / "child.yaml")
+    assert (cfg.grpo.max_num_steps, cfg.grpo.val_period, cfg.recipe) == (3, 1, "child")
+    (tmp_path / "typo.yaml").write_text("defaults: base.yaml\npolicy:\n  generation:\n    vllm_cfg:\n      precison: fp8\n")
+    with pytest.raises(ConfigError, match=r"^policy\.generation\.vllm_cfg\.precison: unknown key"):
+        load_config(tmp_path / "typo.yaml")
+    with pytest.raises(ConfigError, match="recipe file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(tmp_path / "child.yaml", ["grpo.max_num_steps"])
+
+
+def test_round_trip_and_defaults():
+    cfg = Config()
+    assert config_from_dict(cfg.to_dict()) == cfg
+    assert flatten({"a": {"b": 1}, "c": 2}) == {"a.b": 1, "c": 2}
+    # Config is frozen.
+    with pytest.raises(AttributeError):
+        cfg.run_dir = "x"  # type: ignore[misc]
