@@ -1,0 +1,43 @@
+"""RL math for fp8-grpo (pure torch): advantages, clipped losses, importance sampling, metrics, KV-scale calibration and
+Calibrated Clipping. See each module's docstring for formulas, sources and the stable metric names."""
+from fp8core.rl.advantages import dynamic_sampling_mask, grpo_advantages
+from fp8core.rl.importance import (
+    ISKind,
+    icepop_weights,
+    importance_weights,
+    raw_is_ratio,
+    seq_mask_tis_weights,
+    tis_weights,
+)
+from fp8core.rl.losses import LossAgg, RatioLevel, clipped_pg_loss, sequence_log_ratio
+from fp8core.rl.metrics import (
+    clip_metrics,
+    entropy_metrics,
+    is_metrics,
+    masked_mean,
+    mismatch_metrics,
+    response_length_metrics,
+    token_entropy,
+)
+
+__all__ = [
+    "grpo_advantages",
+    "dynamic_sampling_mask",
+    "ISKind",
+    "tis_weights",
+    "icepop_weights",
+    "seq_mask_tis_weights",
+    "importance_weights",
+    "raw_is_ratio",
+    "RatioLevel",
+    "LossAgg",
+    "clipped_pg_loss",
+    "sequence_log_ratio",
+    "masked_mean",
+    "mismatch_metrics",
+    "is_metrics",
+    "clip_metrics",
+    "entropy_metrics",
+    "token_entropy",
+    "response_length_metrics",
+]

@@ -1,0 +1,105 @@
+"""Metrics: worked examples, estimator correctness against exact divergences, batch-order invariance."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fp8core.rl import (
+    clip_metrics,
+    entropy_metrics,
+    mismatch_metrics,
+    response_length_metrics,
+)
+from fp8core.rl.metrics import is_metrics
+
+
+def test_mismatch_worked_example():
+    # d = logp_train - logp_rollout = [log 2, -log 2] (+ one padded token with garbage)
+    train = torch.tensor([[math.log(2.0), -math.log(2.0), 5.0]])
+    roll = torch.tensor([[0.0, 0.0, float("-inf")]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    m = mismatch_metrics(train, roll, mask)
+    assert m["mismatch/token_mult_prob_error"] == pytest.approx(2.0)
+    k3 = ((2 - 1 - math.log(2)) + (0.5 - 1 + math.log(2))) / 2  # = 0.25, symmetric for this pair
+    assert m["mismatch/kl_k3_rollout_train"] == pytest.approx(k3)
+    assert m["mismatch/kl_k3_train_rollout"] == pytest.approx(k3)
+
+    def f(t):
+        return 0.5 * (t * math.log(t) - (1 + t) * math.log((1 + t) / 2))
+
+    assert m["mismatch/js"] == pytest.approx((f(2.0) + f(0.5)) / 2)
+    assert all(isinstance(v, float) for v in m.values())
+    none = mismatch_metrics(train, train, mask)
+    assert none == {"mismatch/token_mult_prob_error": 1.0, "mismatch/kl_k3_train_rollout": 0.0,
+                    "mismatch/kl_k3_rollout_train": 0.0, "mismatch/js": 0.0}
+
+
+def test_estimators_match_exact_divergences_in_expectation():
+    # Tokens sampled from the rollout distribution q; weighting each vocab entry by q(x) gives the exact expectation.
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(50, generator=g, dtype=torch.float64), 0)  # train
+    q = torch.softmax(torch.randn(50, generator=g, dtype=torch.float64), 0)  # rollout
+    mean_of = lambda name: sum(  # noqa: E731
+        q[i].item() * mismatch_metrics(p.log()[i].view(1, 1), q.log()[i].view(1, 1), torch.ones(1, 1))[name]
+        for i in range(50))
+    kl_qp = (q * (q / p).log()).sum().item()
+    mid = (p + q) / 2
+    js = 0.5 * (p * (p / mid).log()).sum().item() + 0.5 * (q * (q / mid).log()).sum().item()
+    assert mean_of("mismatch/kl_k3_rollout_train") == pytest.approx(kl_qp, rel=1e-9)
+    assert mean_of("mismatch/js") == pytest.approx(js, rel=1e-9)
+
+
+def test_clip_metrics_worked_example():
+    ratio = torch.tensor([[0.5, 1.0, 1.5, 0.7], [0.9, 1.3, 0.6, 9.0]])
+    adv = torch.tensor([-1.0, 1.0])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    m = clip_metrics(ratio, adv, mask, clip_low=0.8, clip_high=1.2)
+    assert m["clip/lower_neg_adv_frac"] == pytest.approx(2 / 4)  # 0.5, 0.7
+    assert m["clip/upper_neg_adv_frac"] == pytest.approx(1 / 4)  # 1.5
+    assert m["clip/lower_pos_adv_frac"] == pytest.approx(1 / 3)  # 0.6
+    assert m["clip/upper_pos_adv_frac"] == pytest.approx(1 / 3)  # 1.3 (9.0 is padding)
+    assert (m["clip/ratio_min"], m["clip/ratio_max"]) == pytest.approx((0.5, 1.5))
+    assert m["clip/ratio_mean"] == pytest.approx((0.5 + 1 + 1.5 + 0.7 + 0.9 + 1.3 + 0.6) / 7)
+
+
+def test_entropy_and_length():
+    logits = torch.zeros(1, 2, 4)  # uniform over 4 -> entropy log 4
+    logits[0, 1] = torch.tensor([0.0, -1e9, -1e9, -1e9])  # deterministic -> 0 (padding here anyway)
+    mask = torch.tensor([[1.0, 0.0]])
+    assert entropy_metrics(mask, logits=logits)["policy/entropy"] == pytest.approx(math.log(4))
+    assert entropy_metrics(mask, logp=torch.tensor([[-2.0, -5.0]]))["policy/entropy"] == pytest.approx(2.0)
+    lm = response_length_metrics(torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]))
+    assert lm["response/length_mean"] == 2.0 and lm["response/length_max"] == 3.0
+
+
+def test_empty_selection_gives_zero_not_nan():
+    z = torch.zeros(2, 3)
+    m = {**mismatch_metrics(z, z, z), **clip_metrics(z + 1, torch.ones(2), z, clip_low=0.8, clip_high=1.2),
+         **is_metrics(z, z, z)}
+    assert all(math.isfinite(v) for v in m.values())
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_metrics_invariant_to_batch_order(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 5
+    train = -torch.rand(B, T, generator=g, dtype=torch.float64) * 4
+    roll = train + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.3).double()
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    ratio = torch.exp(0.3 * torch.randn(B, T, generator=g, dtype=torch.float64))
+    perm = torch.randperm(B, generator=g)
+
+    def all_metrics(i):
+        return {**mismatch_metrics(train[i], roll[i], mask[i]),
+                **clip_metrics(ratio[i], adv[i], mask[i], clip_low=0.8, clip_high=1.28),
+                **is_metrics(ratio[i].clamp_max(1.2), ratio[i], mask[i]),
+                **entropy_metrics(mask[i], logp=train[i]), **response_length_metrics(mask[i])}
+
+    a, b = all_metrics(torch.arange(B)), all_metrics(perm)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-12, abs=1e-12), k
