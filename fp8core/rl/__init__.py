@@ -1,6 +1,7 @@
 """RL math for fp8-grpo (pure torch): advantages, clipped losses, importance sampling, metrics, KV-scale calibration and
 Calibrated Clipping. See each module's docstring for formulas, sources and the stable metric names."""
 from fp8core.rl.advantages import dynamic_sampling_mask, grpo_advantages
+from fp8core.rl.calibrated_clipping import CalibratedClipping, CalibratedClippingConfig
 from fp8core.rl.importance import (
     ISKind,
     icepop_weights,
@@ -21,6 +22,8 @@ from fp8core.rl.metrics import (
 )
 
 __all__ = [
+    "CalibratedClipping",
+    "CalibratedClippingConfig",
     "grpo_advantages",
     "dynamic_sampling_mask",
     "ISKind",
