@@ -218,4 +218,14 @@ def quantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``data * scale`` computed in FP32 (each FP8 value times its group's scale), then cast to ``dtype``."""
-    return (q.data.to(torch.float32) * q.expanded_scale()).to(dtype)
+    data = q.data.to(torch.float32)
+    shape = data.shape
+    if q.granularity == "group128" and shape[-1] % GROUP == 0:  # same values, no expanded scale tensor
+        out = (data.reshape(*shape[:-1], shape[-1] // GROUP, GROUP) * q.scale.unsqueeze(-1)).reshape(shape)
+    elif q.granularity == "block128" and shape[-1] % GROUP == 0 and shape[-2] % GROUP == 0:
+        mb, kb = shape[-2] // GROUP, shape[-1] // GROUP
+        blocks = data.reshape(*shape[:-2], mb, GROUP, kb, GROUP)
+        out = (blocks * q.scale.unsqueeze(-1).unsqueeze(-3)).reshape(shape)
+    else:
+        out = data * q.expanded_scale()
+    return out.to(dtype)

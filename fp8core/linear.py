@@ -1,0 +1,321 @@
+"""FP8 linear layer for training: the three GEMMs of ``y = x @ W.T + b``, each with FP8 operands.
+
+With tokens flattened, ``X: [T, K]`` (activations), ``W: [N, K]`` (weight), ``Y: [T, N]``, a linear layer runs
+three GEMMs. Each FP8 operand is scaled along the dimension the GEMM *contracts*, so every scale factors out of
+the dot products it touches and can be applied once per output tile (what FP8 GEMM kernels need):
+
+======  =========================  ==============  =============================================================
+GEMM    product                     contracts over  operand quantization (recipe "blockwise" / "rowwise" / "tensorwise")
+======  =========================  ==============  =============================================================
+fprop   ``Y  = X  @ W.T``           K (features)    X: group128 / rowwise / tensorwise along K;
+                                                    W: block128 / rowwise / tensorwise
+dgrad   ``dX = dY @ W``             N (outputs)     dY: group128 / rowwise / tensorwise along N;
+                                                    W: the *same* block128 tensor as fprop (128x128 tiles are
+                                                    transpose-symmetric) / W re-quantized rowwise along N
+                                                    (per input feature) / the same tensorwise W
+wgrad   ``dW = dY.T @ X``           T (tokens)      dY.T and X.T: group128 / rowwise / tensorwise along T
+======  =========================  ==============  =============================================================
+
+"blockwise" is the DeepSeek-V3 / NeMo RL recipe (1x128 activation/gradient groups, 128x128 weight blocks);
+"rowwise" and "tensorwise" follow the operand layouts of torchao's float8 recipes of those names (torchao's
+"rowwise" also rounds scales to powers of two; our ``ROWWISE`` preset does the same). Formats: "e4m3" uses
+float8_e4m3fn everywhere; "hybrid" keeps X and W in E4M3 and quantizes the gradient dY in E5M2 (more range, less
+precision). Scales follow fp8core.quant: FP32 dequantization multipliers ``amax / fp8_max``.
+
+Every GEMM accumulates in FP32 and the bias is added in FP32; outputs are cast to the input's dtype (dX to x's,
+dW to the weight's). Two backends compute the same numbers:
+
+* ``"emulated"``: dequantize both operands to FP32 and run an FP32 matmul -- the FP8 GEMM's numerics at CPU speed.
+* ``"scaled_mm"``: ``torch._scaled_mm`` on the FP8 data. Tensorwise is one call with the two scalar scales; otherwise
+  K is cut into 128-wide chunks (one chunk for rowwise), each chunk's FP8 product is computed with per-row scales of
+  both operands and the chunk results are summed in FP32. Agreement with the emulation is tested on CPU.
+
+``"auto"`` picks scaled_mm on CUDA devices with FP8 GEMMs (capability >= 8.9) and the emulation elsewhere.
+
+End-to-end FP8: the training forward calls :func:`fp8_linear_forward` with the weight it has just quantized, and
+the vLLM plugin calls the same function with the weight it holds (``quantize(w, "block128")``), so rollouts and
+training see bit-identical forward numerics on the same backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
+
+RECIPES = ("blockwise", "rowwise", "tensorwise")
+LINEAR_FORMATS = ("e4m3", "hybrid")
+BACKENDS = ("auto", "emulated", "scaled_mm")
+# operand granularity per recipe: activations/gradients ("act", along the contraction dim) and the fprop weight
+ACT_GRANULARITY = {"blockwise": "group128", "rowwise": "rowwise", "tensorwise": "tensorwise"}
+WEIGHT_GRANULARITY = {"blockwise": "block128", "rowwise": "rowwise", "tensorwise": "tensorwise"}
+
+__all__ = [
+    "BACKENDS",
+    "BLOCKWISE",
+    "BLOCKWISE_HYBRID",
+    "FP8Linear",
+    "FP8LinearConfig",
+    "LINEAR_FORMATS",
+    "PRESETS",
+    "RECIPES",
+    "ROWWISE",
+    "TENSORWISE",
+    "fp8_linear",
+    "fp8_linear_forward",
+    "fp8_mm",
+    "resolve_backend",
+    "weight_granularity",
+]
+
+
+def _check_choice(value, allowed, what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
+
+
+@dataclass(frozen=True)
+class FP8LinearConfig:
+    """How an :class:`FP8Linear` quantizes its GEMM operands (module docstring).
+
+    recipe: "blockwise" (default) | "rowwise" | "tensorwise".  fmt: "e4m3" | "hybrid" (E5M2 gradients).
+    pow2_weight / pow2_activation: round the weight's / the activations' and gradients' scales up to powers of two.
+    backend: "auto" | "emulated" | "scaled_mm".
+    """
+
+    recipe: str = "blockwise"
+    fmt: str = "e4m3"
+    pow2_weight: bool = False
+    pow2_activation: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self):
+        _check_choice(self.recipe, RECIPES, "FP8LinearConfig.recipe")
+        _check_choice(self.fmt, LINEAR_FORMATS, "FP8LinearConfig.fmt")
+        _check_choice(self.backend, BACKENDS, "FP8LinearConfig.backend")
+        for name in ("pow2_weight", "pow2_activation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"FP8LinearConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def grad_fmt(self) -> str:
+        """FP8 format of the output gradient dY: E5M2 in the hybrid format, else E4M3."""
+        return "e5m2" if self.fmt == "hybrid" else "e4m3"
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> FP8LinearConfig:
+        _check_choice(name, tuple(PRESETS), "FP8 preset")
+        return replace(PRESETS[name], **overrides)
+
+
+BLOCKWISE = FP8LinearConfig()
+BLOCKWISE_HYBRID = FP8LinearConfig(fmt="hybrid")
+ROWWISE = FP8LinearConfig(recipe="rowwise", pow2_weight=True, pow2_activation=True)
+TENSORWISE = FP8LinearConfig(recipe="tensorwise")
+PRESETS = {"blockwise": BLOCKWISE, "blockwise_hybrid": BLOCKWISE_HYBRID, "rowwise": ROWWISE, "tensorwise": TENSORWISE}
+
+
+def weight_granularity(recipe: str) -> str:
+    """Granularity of the (forward) weight quantization for ``recipe``: block128 / rowwise / tensorwise."""
+    _check_choice(recipe, RECIPES, "recipe")
+    return WEIGHT_GRANULARITY[recipe]
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """"auto" -> "scaled_mm" on CUDA devices with FP8 tensor cores (capability >= 8.9), else "emulated"."""
+    _check_choice(backend, BACKENDS, "backend")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        return "scaled_mm"
+    return "emulated"
+
+
+# ---------------------------------------------------------------------------------------------------- the GEMM
+def _chunk_row_scales(q: QuantizedTensor, chunk: int, rows: int) -> torch.Tensor:
+    """Per-row FP32 scales of ``q`` for the K-chunk ``chunk`` (128 wide, or all of K for one-chunk GEMMs)."""
+    if q.granularity == "tensorwise":
+        return q.scale.reshape(1).expand(rows)
+    if q.granularity == "rowwise":
+        return q.scale[:, 0]
+    if q.granularity == "group128":
+        return q.scale[:, chunk]
+    return q.scale[:, chunk].repeat_interleave(GROUP)[:rows]
+
+
+def _pad_u8(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad 2-D FP8 data to [rows, cols] (byte 0 is +0.0 in both formats)."""
+    r, c = data.shape
+    if (r, c) == (rows, cols):
+        return data.contiguous()
+    out = torch.zeros(rows, cols, dtype=torch.uint8, device=data.device)
+    out[:r, :c] = data.view(torch.uint8) if data.is_contiguous() else data.contiguous().view(torch.uint8)
+    return out.view(data.dtype)
+
+
+_ROWSCALED_FP32_UNSUPPORTED: set[str] = set()  # device types whose _scaled_mm rejects row scales with FP32 output
+
+
+def _scaled_mm_rows(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """FP32 ``(a8 * sa[:, None]) @ (b8 * sb[:, None]).T`` for FP8 a8 [M, k], b8 [N, k] with k % 16 == 0."""
+    dev = a8.device.type
+    if dev not in _ROWSCALED_FP32_UNSUPPORTED:
+        try:
+            return torch._scaled_mm(a8, b8.t(), scale_a=sa.reshape(-1, 1).contiguous(),
+                                    scale_b=sb.reshape(1, -1).contiguous(), out_dtype=torch.float32)
+        except RuntimeError:  # e.g. CUDA row-scaled kernels that only emit BF16: scale in FP32 ourselves
+            _ROWSCALED_FP32_UNSUPPORTED.add(dev)
+    one = torch.ones((), dtype=torch.float32, device=a8.device)
+    raw = torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return raw * sa.reshape(-1, 1) * sb.reshape(1, -1)
+
+
+def _fp8_mm_scaled(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    if a.granularity == "tensorwise" and b.granularity == "tensorwise":
+        kp, n_p = -(-k // 16) * 16, -(-n // 16) * 16
+        out = torch._scaled_mm(_pad_u8(a.data, m, kp), _pad_u8(b.data, n_p, kp).t(), scale_a=a.scale,
+                               scale_b=b.scale, out_dtype=torch.float32)
+        return out[:, :n]
+    chunked = any(q.granularity in ("group128", "block128") for q in (a, b))
+    width = GROUP if chunked else -(-k // 16) * 16
+    kp, n_p = -(-k // width) * width, -(-n // 16) * 16
+    a8, b8 = _pad_u8(a.data, m, kp), _pad_u8(b.data, n_p, kp)
+    out = torch.zeros(m, n_p, dtype=torch.float32, device=a.data.device)
+    for c in range(kp // width):
+        sa = _chunk_row_scales(a, c, m)
+        sb = torch.ones(n_p, dtype=torch.float32, device=out.device)
+        sb[:n] = _chunk_row_scales(b, c, n)
+        cols = slice(c * width, (c + 1) * width)
+        out += _scaled_mm_rows(a8[:, cols].contiguous(), b8[:, cols].contiguous(), sa, sb)
+    return out[:, :n]
+
+
+def fp8_mm(a: QuantizedTensor, b: QuantizedTensor, *, backend: str = "emulated") -> torch.Tensor:
+    """FP32 ``dequant(a) @ dequant(b).T`` for 2-D ``a: [M, K]``, ``b: [N, K]`` quantized along K.
+
+    Allowed granularities: tensorwise, rowwise, group128 (all along K, the last dim) and block128 (symmetric).
+    backend "emulated" (FP32 matmul of dequantized operands) or "scaled_mm" (torch._scaled_mm, K-chunked).
+    """
+    _check_choice(backend, ("emulated", "scaled_mm"), "backend")
+    if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"fp8_mm: need a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if backend == "scaled_mm":
+        return _fp8_mm_scaled(a, b)
+    return dequantize(a) @ dequantize(b).t()
+
+
+# ---------------------------------------------------------------------------------------------- forward + autograd
+def fp8_linear_forward(x: torch.Tensor, weight_q: QuantizedTensor, bias: torch.Tensor | None = None, *,
+                       recipe: str = "blockwise", pow2_activation: bool = False,
+                       backend: str = "auto") -> torch.Tensor:
+    """FP8 forward ``y = fp8(x) @ weight_q.T + bias`` with an already-quantized weight (inference and training).
+
+    x: [..., K] quantized in E4M3 along K (group128 / rowwise / tensorwise for recipe blockwise / rowwise /
+    tensorwise); weight_q: [N, K] with the recipe's weight granularity (block128 / rowwise / tensorwise).
+    FP32 accumulation, bias added in FP32, result in x's dtype. Shared by FP8Linear and the vLLM plugin.
+    """
+    _check_choice(recipe, RECIPES, "recipe")
+    expected = WEIGHT_GRANULARITY[recipe]
+    if weight_q.granularity != expected:
+        raise ValueError(f"fp8_linear_forward: recipe={recipe!r} needs a {expected!r} weight, got "
+                         f"weight_q.granularity={weight_q.granularity!r}")
+    if weight_q.data.dim() != 2 or x.shape[-1] != weight_q.data.shape[1]:
+        raise ValueError(f"fp8_linear_forward: x of shape {tuple(x.shape)} does not match weight_q of shape "
+                         f"{tuple(weight_q.shape)} (need x[..., K] and weight [N, K])")
+    k, n = weight_q.data.shape[1], weight_q.data.shape[0]
+    x_q = quantize(x.reshape(-1, k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
+    y = fp8_mm(x_q, weight_q, backend=resolve_backend(backend, x.device))
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """Autograd for the three FP8 GEMMs (module docstring table)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, config: FP8LinearConfig):
+        w_q = quantize(weight, WEIGHT_GRANULARITY[config.recipe], fmt="e4m3", pow2=config.pow2_weight)
+        y = fp8_linear_forward(x, w_q, bias, recipe=config.recipe, pow2_activation=config.pow2_activation,
+                               backend=config.backend)
+        ctx.save_for_backward(x, weight, w_q.data, w_q.scale)
+        ctx.config = config
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, w_data, w_scale = ctx.saved_tensors
+        cfg: FP8LinearConfig = ctx.config
+        n, k = weight.shape
+        backend = resolve_backend(cfg.backend, dy.device)
+        gran = ACT_GRANULARITY[cfg.recipe]
+        dy2 = dy.reshape(-1, n)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # dgrad: dX = dY @ W, contracting N
+            dy_q = quantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
+            if cfg.recipe == "rowwise":  # W re-quantized per input feature, along N
+                w_t = quantize(weight.t(), "rowwise", fmt="e4m3", pow2=cfg.pow2_weight)
+            else:  # the forward's block128 / tensorwise weight, transposed (exact)
+                w_t = QuantizedTensor(w_data, w_scale, WEIGHT_GRANULARITY[cfg.recipe], "e4m3").t()
+            dx = fp8_mm(dy_q, w_t, backend=backend).to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1]:  # wgrad: dW = dY.T @ X, contracting tokens
+            dyt_q = quantize(dy2.t(), gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
+            xt_q = quantize(x.reshape(-1, k).t(), gran, fmt="e4m3", pow2=cfg.pow2_activation)
+            dw = fp8_mm(dyt_q, xt_q, backend=backend).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               recipe: str = "blockwise", fmt: str = "e4m3", pow2_weight: bool = False,
+               pow2_activation: bool = False, backend: str = "auto") -> torch.Tensor:
+    """Differentiable FP8 ``x @ weight.T + bias`` (fprop, dgrad and wgrad in FP8; module docstring)."""
+    config = FP8LinearConfig(recipe=recipe, fmt=fmt, pow2_weight=pow2_weight, pow2_activation=pow2_activation,
+                             backend=backend)
+    return _FP8LinearFunction.apply(x, weight, bias, config)
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` whose three GEMMs run in FP8 (same ``weight`` / ``bias`` parameters, so state_dicts stay
+    Hugging Face compatible). Set ``fp8_enabled = False`` (or use ``fp8core.convert.high_precision``) to run the
+    same master weights in high precision."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 config: FP8LinearConfig | None = None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config if config is not None else FP8LinearConfig()
+        if not isinstance(self.config, FP8LinearConfig):
+            raise ValueError(f"FP8Linear config must be an FP8LinearConfig, got {type(self.config).__name__}")
+        self.fp8_enabled = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: FP8LinearConfig | None = None) -> FP8Linear:
+        """Wrap an existing nn.Linear, sharing its Parameter objects (optimizer state and tying survive)."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def quantized_weight(self) -> QuantizedTensor:
+        """The forward weight quantization of this layer's recipe (what a serving engine should hold)."""
+        return quantize(self.weight.detach(), WEIGHT_GRANULARITY[self.config.recipe], fmt="e4m3",
+                        pow2=self.config.pow2_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:
+            return F.linear(x, self.weight, self.bias)
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, self.config)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"{super().extra_repr()}, recipe={c.recipe}, fmt={c.fmt}, pow2_weight={c.pow2_weight}, "
+                f"pow2_activation={c.pow2_activation}, backend={c.backend}, fp8_enabled={self.fp8_enabled}")
