@@ -10,6 +10,14 @@ from fp8core.rl.importance import (
     seq_mask_tis_weights,
     tis_weights,
 )
+from fp8core.rl.kv_calibration import (
+    KVScales,
+    calibrate_kv_scales,
+    collect_qkv_amax,
+    find_attention_modules,
+    scales_from_amax,
+    validate_kv_scales,
+)
 from fp8core.rl.losses import LossAgg, RatioLevel, clipped_pg_loss, sequence_log_ratio
 from fp8core.rl.metrics import (
     clip_metrics,
@@ -33,6 +41,12 @@ __all__ = [
     "importance_weights",
     "raw_is_ratio",
     "RatioLevel",
+    "KVScales",
+    "calibrate_kv_scales",
+    "collect_qkv_amax",
+    "find_attention_modules",
+    "scales_from_amax",
+    "validate_kv_scales",
     "LossAgg",
     "clipped_pg_loss",
     "sequence_log_ratio",
