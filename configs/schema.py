@@ -41,7 +41,7 @@ class VllmCfg:
     """Rollout engine settings (seed names). ``precision: fp8`` = FP8 weights/activations in vLLM's linears."""
 
     precision: Literal["bfloat16", "fp8"] = "bfloat16"
-    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # fp8 = E4M3 cache with per-layer K/V scales from calibration
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
     pow2_weight_scaling_factors: bool = False
@@ -142,8 +142,8 @@ class LossFnCfg:
     use_importance_sampling_correction: bool = False
     importance_sampling: Literal["tis", "icepop", "seq_mask_tis"] = "tis"
     is_truncation: float = 2.0  # TIS cap C: weight = min(pi_old/pi_rollout, C)
-    is_mask_low: float = 0.5  # ICE-POP / seq-mask-TIS: keep tokens (or sequences) whose ratio lies in [low, high]
-    is_mask_high: float = 2.0
+    is_mask_low: float | None = None  # ICE-POP / seq-mask-TIS band [low, high]; None = fp8core.rl defaults
+    is_mask_high: float | None = None
 
 
 @dataclass(frozen=True)
@@ -167,10 +167,10 @@ class CalibrationCfg:
 
     kv_scales_period: int = 1  # steps between KV-scale calibrations when the KV cache is FP8 (0 = off)
     kv_calibration_samples: int = 8  # prompts+responses of the current batch used for KV amax
-    calibrated_clipping: bool = False
-    clip_period: int = 5  # K: recalibrate the clip bounds every K steps
-    clip_target_frac: float = 0.2  # target fraction of clipped tokens (each side)
-    clip_momentum: float = 0.9
+    calibrated_clipping: bool = False  # fp8core.rl.calibrated_clipping; reference bounds = loss_fn.ratio_clip_*
+    clip_period: int = 5  # K: recalibrate the clip bounds every K steps (BF16 shadow forwards on those steps)
+    clip_low_range: tuple[float, float] = (0.5, 0.9)
+    clip_high_range: tuple[float, float] = (1.2, 2.0)
 
 
 @dataclass(frozen=True)
@@ -309,8 +309,9 @@ def _validate(c: Config):
     _check(lf.reference_policy_kl_penalty == 0.0, "loss_fn.reference_policy_kl_penalty",
            "a reference-policy KL term is not implemented (no reference model is kept); set it to 0")
     _check(lf.is_truncation > 0, "loss_fn.is_truncation", f"must be > 0, got {lf.is_truncation}")
-    _check(0 <= lf.is_mask_low < 1 < lf.is_mask_high, "loss_fn.is_mask_low",
-           f"need 0 <= is_mask_low < 1 < is_mask_high, got [{lf.is_mask_low}, {lf.is_mask_high}]")
+    if lf.is_mask_low is not None and lf.is_mask_high is not None:
+        _check(0 <= lf.is_mask_low < 1 < lf.is_mask_high, "loss_fn.is_mask_low",
+               f"need 0 <= is_mask_low < 1 < is_mask_high, got [{lf.is_mask_low}, {lf.is_mask_high}]")
     _check(p.max_grad_norm > 0, "policy.max_grad_norm", f"must be > 0, got {p.max_grad_norm}")
     _check(p.optimizer.lr > 0, "policy.optimizer.lr", f"must be > 0, got {p.optimizer.lr}")
     _check(0.0 <= p.scheduler.min_lr_ratio <= 1.0, "policy.scheduler.min_lr_ratio", "must be in [0, 1]")
@@ -337,11 +338,17 @@ def _validate(c: Config):
         _check(cal.kv_scales_period >= 1, "calibration.kv_scales_period",
                f"policy.generation.vllm_cfg.kv_cache_dtype={vc.kv_cache_dtype} needs calibrated K/V scales "
                "(period >= 1); with 0 the cache would quantize with unit scales")
-        _check(cal.kv_calibration_samples >= 1, "calibration.kv_calibration_samples", "must be >= 1 with an FP8 KV cache")
+        _check(cal.kv_calibration_samples >= 1, "calibration.kv_calibration_samples",
+               "must be >= 1 with an FP8 KV cache")
     if cal.calibrated_clipping:
+        _check(f8.enabled, "calibration.calibrated_clipping",
+               "calibrates FP8 training against its BF16 shadow: needs policy.megatron_cfg.fp8_cfg.enabled=true")
         _check(cal.clip_period >= 1, "calibration.clip_period", f"must be >= 1, got {cal.clip_period}")
-        _check(0 < cal.clip_target_frac < 0.5, "calibration.clip_target_frac", "must be in (0, 0.5)")
-        _check(0 <= cal.clip_momentum < 1, "calibration.clip_momentum", "must be in [0, 1)")
+        lo, hi = cal.clip_low_range, cal.clip_high_range
+        _check(0 < lo[0] <= 1 - lf.ratio_clip_min <= lo[1] < hi[0] <= 1 + lf.ratio_clip_max <= hi[1],
+               "calibration.clip_low_range",
+               f"need 0 < low_range {lo} around 1 - loss_fn.ratio_clip_min, below high_range {hi} around "
+               "1 + loss_fn.ratio_clip_max")
     _check(p.generation.max_new_tokens + c.data.max_input_seq_length <= vc.max_model_len,
            "policy.generation.vllm_cfg.max_model_len",
            f"{vc.max_model_len} is shorter than data.max_input_seq_length + policy.generation.max_new_tokens")

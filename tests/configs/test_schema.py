@@ -99,6 +99,9 @@ def test_bad_overrides_name_their_path(override, path):
     (["policy.generation.vllm_cfg.max_model_len=100"], "policy.generation.vllm_cfg.max_model_len"),
     (["checkpointing.enabled=false", "checkpointing.resume=true"], "checkpointing.resume"),
     (["policy.generation.temperature=0"], "policy.generation.temperature"),
+    (["calibration.calibrated_clipping=true"], "calibration.calibrated_clipping"),  # needs FP8 training
+    (["policy.megatron_cfg.fp8_cfg.enabled=true", "calibration.calibrated_clipping=true",
+      "calibration.clip_low_range=[0.85, 0.9]"], "calibration.clip_low_range"),
 ])
 def test_impossible_combinations(overrides, path):
     with pytest.raises(ConfigError) as e:

@@ -1,0 +1,144 @@
+"""PolicyWorker on a 2-layer tiny Qwen3 (CPU): token alignment, GRPO train step, FP8 conversion, calibrations,
+non-finite skip, checkpoint resume determinism."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs.schema import Config, config_from_dict
+from workers.policy import Batch, PolicyWorker, leave_one_out_advantages, lr_lambda
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from workers.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny",
+                            TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000))
+
+
+def _cfg(**over) -> Config:
+    base = {"policy": {"train_global_batch_size": 4, "train_micro_batch_size": 2, "logprob_batch_size": 4,
+                       "optimizer": {"lr": 1e-3}},
+            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "max_num_steps": 10}}
+    return config_from_dict(base, [f"{k}={v}" for k, v in over.items()])
+
+
+def _rollouts(worker, answers=("3", "7")):
+    """Two prompts x 4 responses; rollout logprobs = the policy's own logprobs (a perfect rollout engine)."""
+    from workers.tiny_model import chat_prompt
+
+    tok = worker.tokenizer
+    out = []
+    for i, q in enumerate(["What is 1 plus 2?", "What is 3 plus 4?"]):
+        p = tok(chat_prompt(tok, q), add_special_tokens=False).input_ids
+        samples = []
+        for j, guess in enumerate([answers[i], "5", answers[i] + "1", "2"]):
+            ids = tok(f"x = {guess}. The answer is \\boxed{{{guess}}}." + tok.eos_token, add_special_tokens=False).input_ids
+            ids = ids[: 8 + 3 * j]  # different lengths
+            samples.append({"token_ids": ids, "logprobs": [0.0] * len(ids), "text": tok.decode(ids)})
+        out.append({"prompt_token_ids": p, "samples": samples})
+    b = Batch.from_rollouts(out, pad_id=tok.pad_token_id)
+    lp, _ = worker.logprobs(b)
+    k = 0
+    for r in out:
+        for s in r["samples"]:
+            start = len(r["prompt_token_ids"])
+            s["logprobs"] = lp[k, start: start + len(s["token_ids"])].tolist()
+            k += 1
+    return out
+
+
+def test_batch_alignment():
+    ro = [{"prompt_token_ids": [5, 6], "samples": [{"token_ids": [7, 8, 9], "logprobs": [-1.0, -2.0, -3.0]},
+                                                    {"token_ids": [7], "logprobs": [-0.5]}]}]
+    b = Batch.from_rollouts(ro, pad_id=0)
+    assert b.tokens.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]]
+    assert b.mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
+    assert b.rollout_logp[0].tolist() == [0, 0, -1, -2, -3] and b.attn[1].tolist() == [1, 1, 1, 0, 0]
+
+
+def test_lr_schedule_and_rloo():
+    kw = dict(warmup_steps=2, total_steps=12, min_lr_ratio=0.1)
+    assert [lr_lambda(s, decay="constant", **kw) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_lambda(12, decay="linear", **kw) == pytest.approx(0.1)
+    assert lr_lambda(7, decay="cosine", **kw) == pytest.approx(0.55)
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    assert leave_one_out_advantages(r, group_size=3).tolist() == pytest.approx([1.0, -0.5, -0.5, 0, 0, 0])
+
+
+def test_logprobs_match_manual_forward(model_dir):
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32"}))
+    ro = _rollouts(w)
+    b = Batch.from_rollouts(ro, pad_id=w.tokenizer.pad_token_id)
+    lp, ent = w.logprobs(b, want_entropy=True)
+    seq = b.tokens[0, : int(b.attn[0].sum())]
+    with torch.no_grad():
+        logits = w.model(input_ids=seq[None]).logits[0]
+    ref = torch.log_softmax(logits[:-1].double(), -1).gather(-1, seq[1:, None]).squeeze(-1)
+    assert torch.allclose(lp[0, 1: len(seq)].double(), ref, atol=1e-5)
+    assert (ent[b.mask.bool()] > 0).all()
+
+
+@pytest.mark.slow
+def test_train_step_learns_and_reports(model_dir):
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", "loss_fn.use_importance_sampling_correction":
+                                        "true"}))
+    ro = _rollouts(w)
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    b = Batch.from_rollouts(ro, pad_id=w.tokenizer.pad_token_id)
+
+    def seq_logp():
+        return (w.logprobs(b)[0] * b.mask).sum(1)
+
+    before = seq_logp()
+    m = w.train_step(ro, rewards, step=1)
+    assert m["mismatch/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-4)  # rollout logp == trainer logp
+    for key in ("clip/lower_neg_adv_frac", "clip/upper_pos_adv_frac", "policy/entropy", "response/length_mean",
+                "loss/pg", "train/grad_norm", "train/lr", "is/weight_mean", "reward/mean", "clip/bound_low",
+                "throughput/train_tokens_per_s", "time/policy_train_s"):
+        assert key in m, key
+    assert m["train/optimizer_updates"] == 2 and m["reward/mean"] == 0.25
+    for _ in range(3):
+        w.train_step(_rollouts(w), rewards, step=2)
+    delta = seq_logp() - before
+    # Rewarded samples (0 and 4) gain log-probability relative to the unrewarded ones of their group.
+    assert delta[0] > delta[1:4].max() and delta[4] > delta[5:8].max()
+
+
+@pytest.mark.slow
+def test_fp8_policy_calibrations_and_nonfinite_skip(model_dir):
+    cfg = _cfg(**{"policy.megatron_cfg.fp8_cfg.enabled": "true", "calibration.calibrated_clipping": "true",
+                  "calibration.clip_period": 1})
+    w = PolicyWorker(model_dir, cfg)
+    assert len(w.fp8_layers) == 2 * 7  # q,k,v,o,gate,up,down per decoder layer
+    ro = _rollouts(w)
+    m = w.train_step(ro, [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0], step=1)
+    assert "calib/bound_low" in m and m["time/clip_calibration_s"] > 0
+    assert (m["clip/bound_low"], m["clip/bound_high"]) == w.bounds()
+    scales = w.calibrate_kv_scales(ro, max_samples=4)
+    assert len(scales["k_scale"]) == len(scales["v_scale"]) == 2 and min(scales["k_scale"]) > 0
+    before = {k: v.clone() for k, v in w.model.state_dict().items()}
+    m = w.train_step(ro, [float("nan")] + [0.0] * 7, step=2)
+    assert m["train/skipped_updates"] == 2 and m["train/optimizer_updates"] == 0
+    assert all(torch.equal(before[k], v) for k, v in w.model.state_dict().items())
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_is_deterministic(model_dir, tmp_path):
+    cfg = _cfg()
+    a = PolicyWorker(model_dir, cfg)
+    rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    a.train_step(_rollouts(a), rewards, step=1)
+    uri = a.save_checkpoint(f"file://{tmp_path}/ck", 1, extra={"mlflow_run_id": "r1"}, keep_last_k=1)
+    ro = _rollouts(a)
+    ma = a.train_step(ro, rewards, step=2)
+    b = PolicyWorker(model_dir, cfg)
+    state = b.load_checkpoint(f"file://{tmp_path}/ck")
+    assert state["step"] == 1 and state["mlflow_run_id"] == "r1" and uri.endswith("step_000001")
+    mb = b.train_step(ro, rewards, step=2)
+    assert mb["loss/total"] == pytest.approx(ma["loss/total"], rel=1e-6) and mb["train/lr"] == ma["train/lr"]
+    for (k, va), vb in zip(a.model.state_dict().items(), b.model.state_dict().values(), strict=True):
+        assert torch.equal(va, vb), k

@@ -1,0 +1,388 @@
+"""PolicyWorker: the trainer side of GRPO. Owns the HF causal LM (its decoder linears converted to FP8 by fp8core when
+``policy.megatron_cfg.fp8_cfg.enabled``), AdamW with gradient clipping and an LR schedule, logprob computation, the
+train step with fp8core.rl's clipped policy-gradient loss, the FP8 calibrations (KV-cache scales for the rollout
+engine, Calibrated Clipping of the PPO bounds) and checkpoint save/load.
+
+A plain class (unit-testable in-process); the pipeline runs it as a Ray actor (``ray.remote(PolicyWorker)``) so
+weights travel actor-to-actor through the Ray object store, never through Prefect.
+
+Numerics
+--------
+* Master weights are FP32 (what AdamW updates); ``policy.precision: bfloat16`` runs the forward/backward under CPU/GPU
+  autocast to BF16 (the usual mixed-precision setup), ``float32`` without autocast. FP8Linear layers quantize their
+  operands themselves (fp8core.linear; FP32 accumulation).
+* Token alignment: for a sequence ``s`` (prompt + response), ``logp[:, j] = log softmax(z_{j-1} / T)[s_j]`` for j >= 1
+  (column 0 is 0 and always masked). ``T`` is the sampling temperature: vLLM's processed logprobs are those of
+  ``logits / T``, so trainer and rollout logprobs are comparable (``mismatch/*``) and the ratio is the sampled policy's.
+* Train step (one GRPO step on a batch of ``P`` prompts x ``G`` generations):
+  1. ``old_logp`` = trainer logprobs before any update (no grad) -> ``mismatch/*`` against the rollout logprobs.
+  2. Advantages ``A_i = (r_i - mean_g r) / (std_g r + eps)`` (``grpo.normalize_rewards``; else ``r_i - mean_g r``),
+     or leave-one-out baseline ``r_i - mean_{j != i} r_j`` (``grpo.use_leave_one_out_baseline``).
+  3. Optional IS correction weights ``w = f(pi_old / pi_rollout)`` (TIS / ICE-POP / seq-mask-TIS).
+  4. The batch is split into ``P*G / train_global_batch_size`` optimizer steps, each accumulated over micro-batches
+     with the loss normalizer = valid tokens (token-level loss) or sequences of the global batch, so accumulation
+     reproduces the full-batch loss. Gradient norm clipped to ``max_grad_norm``; a non-finite loss or gradient skips
+     that optimizer step (counted in ``train/skipped_updates``; the weights are untouched).
+  5. Calibrated Clipping (every K steps, FP8 training only): BF16-shadow (``fp8core.convert.high_precision``) and FP8
+     logprobs of the same tokens before and after the update give ``ratio_bf16`` / ``ratio_fp8``; the controller
+     moves the clip bounds used by later steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from configs.schema import Config
+
+
+def _autocast(precision: str, device: torch.device):
+    if precision == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lr_lambda(step: int, *, warmup_steps: int, decay: str, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier after ``step`` optimizer-schedule steps: linear warmup to 1 over ``warmup_steps``, then constant,
+    linear or cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    frac = min(1.0, max(0.0, (step - warmup_steps) / span))
+    if decay == "linear":
+        return 1.0 - (1.0 - min_lr_ratio) * frac
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
+    """RLOO baseline (Ahmadian et al. 2024): ``A_i = r_i - mean_{j != i, j in g(i)} r_j``."""
+    g = rewards.reshape(-1, group_size).to(torch.float64)
+    loo = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
+    return (g - loo).reshape(-1).to(rewards.dtype)
+
+
+class Batch:
+    """Token tensors of one rollout batch (right-padded): ``tokens [B, L]``, ``attn [B, L]``, ``mask [B, L]`` (1 on
+    response tokens), ``rollout_logp [B, L]`` (vLLM's logprob of each response token, 0 elsewhere)."""
+
+    def __init__(self, tokens, attn, mask, rollout_logp, group_size: int):
+        self.tokens, self.attn, self.mask, self.rollout_logp = tokens, attn, mask, rollout_logp
+        self.group_size = group_size
+
+    @classmethod
+    def from_rollouts(cls, rollouts: Sequence[Mapping], *, pad_id: int) -> Batch:
+        """From RolloutWorker.generate's output: one dict per prompt with ``prompt_token_ids`` and ``samples``."""
+        seqs, lps, starts = [], [], []
+        group = len(rollouts[0]["samples"])
+        for r in rollouts:
+            if len(r["samples"]) != group:
+                raise ValueError("all prompts must have the same number of samples (GRPO groups)")
+            p = list(r["prompt_token_ids"])
+            for s in r["samples"]:
+                seqs.append(p + list(s["token_ids"]))
+                lps.append(list(s["logprobs"]))
+                starts.append(len(p))
+        width = max(len(s) for s in seqs)
+        b = len(seqs)
+        tokens = torch.full((b, width), pad_id, dtype=torch.long)
+        attn = torch.zeros((b, width), dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.float32)
+        rl = torch.zeros((b, width), dtype=torch.float32)
+        for i, (s, lp, st) in enumerate(zip(seqs, lps, starts, strict=True)):
+            tokens[i, : len(s)] = torch.tensor(s)
+            attn[i, : len(s)] = 1
+            mask[i, st: len(s)] = 1.0
+            rl[i, st: len(s)] = torch.tensor(lp, dtype=torch.float32)
+        return cls(tokens, attn, mask, rl, group)
+
+    def __len__(self):
+        return self.tokens.shape[0]
+
+    def slice(self, idx) -> Batch:
+        return Batch(self.tokens[idx], self.attn[idx], self.mask[idx], self.rollout_logp[idx], self.group_size)
+
+
+class PolicyWorker:
+    """See the module docstring. ``model_dir``: HF model (safetensors + config + tokenizer)."""
+
+    def __init__(self, model_dir: str | Path, cfg: Config, *, run_dir: str | Path | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from fp8core.rl.calibrated_clipping import CalibratedClipping, CalibratedClippingConfig
+
+        self.cfg = cfg
+        p = cfg.policy
+        torch.set_num_threads(p.threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(p.threads))
+        torch.manual_seed(cfg.grpo.seed)
+        self.model_dir = Path(model_dir)
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
+        self.model.config.use_cache = False
+        self.fp8_layers: list[str] = []
+        f8 = p.megatron_cfg.fp8_cfg
+        if f8.enabled:
+            from fp8core.convert import convert_to_fp8
+            from fp8core.linear import FP8LinearConfig
+
+            lin = FP8LinearConfig(recipe=f8.fp8_recipe, fmt=f8.fp8, pow2_weight=f8.pow2_weight_scaling_factors,
+                                  pow2_activation=f8.pow2_activation_scaling_factors, backend=f8.backend)
+            self.fp8_layers = convert_to_fp8(self.model, lin, num_first_layers_in_bf16=f8.num_first_layers_in_bf16,
+                                             num_last_layers_in_bf16=f8.num_last_layers_in_bf16)
+        o = p.optimizer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        s = p.scheduler
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: lr_lambda(
+            k, warmup_steps=s.warmup_steps, decay=s.decay, total_steps=cfg.grpo.max_num_steps,
+            min_lr_ratio=s.min_lr_ratio))
+        lf, cal = cfg.loss_fn, cfg.calibration
+        self.clip_low, self.clip_high = 1.0 - lf.ratio_clip_min, 1.0 + lf.ratio_clip_max
+        self.cc = None
+        if cal.calibrated_clipping:
+            self.cc = CalibratedClipping(CalibratedClippingConfig(
+                interval=cal.clip_period, low_range=tuple(cal.clip_low_range), high_range=tuple(cal.clip_high_range),
+                init_low=self.clip_low, init_high=self.clip_high, ref_eps_low=lf.ratio_clip_min,
+                ref_eps_high=lf.ratio_clip_max))
+        self.kv_scales: dict[str, list[float]] | None = None
+        self.skipped_updates = 0
+        self.step = 0  # RL steps completed
+
+    # ------------------------------------------------------------------------------------------------ basic info
+    def info(self) -> dict:
+        n = sum(p.numel() for p in self.model.parameters())
+        return {"num_params": n, "fp8_layers": len(self.fp8_layers), "device": str(self.device),
+                "clip_bounds": [self.clip_low, self.clip_high], "step": self.step,
+                "num_layers": self.model.config.num_hidden_layers}
+
+    def bounds(self) -> tuple[float, float]:
+        if self.cc is not None:
+            return self.cc.bounds
+        return self.clip_low, self.clip_high
+
+    def weights(self, dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
+        """HF-named weights for a rollout refit (a copy in ``dtype``; the engine re-quantizes FP8 layers itself)."""
+        dt = getattr(torch, dtype)
+        return {k: v.detach().to("cpu", dt).clone() for k, v in self.model.state_dict().items()}
+
+    # ---------------------------------------------------------------------------------------------------- logprobs
+    def _token_logp(self, b: Batch, *, want_entropy: bool = False):
+        """Forward one micro-batch; returns (logp [B, L] aligned to tokens, entropy [B, L] or None)."""
+        tokens, attn = b.tokens.to(self.device), b.attn.to(self.device)
+        with _autocast(self.cfg.policy.precision, self.device):
+            logits = self.model(input_ids=tokens, attention_mask=attn).logits
+        z = logits[:, :-1].float() / self.cfg.policy.generation.temperature
+        lp = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        logp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        ent = None
+        if want_entropy:
+            from fp8core.rl.metrics import token_entropy
+
+            e = token_entropy(z.detach())
+            ent = torch.cat([torch.zeros_like(e[:, :1]), e], dim=1)
+        return logp, ent
+
+    @torch.no_grad()
+    def logprobs(self, b: Batch, *, want_entropy: bool = False):
+        was = self.model.training
+        self.model.eval()
+        outs, ents = [], []
+        bs = self.cfg.policy.logprob_batch_size
+        for i in range(0, len(b), bs):
+            lp, ent = self._token_logp(b.slice(slice(i, i + bs)), want_entropy=want_entropy)
+            outs.append(lp.cpu())
+            if ent is not None:
+                ents.append(ent.cpu())
+        self.model.train(was)
+        return torch.cat(outs), (torch.cat(ents) if ents else None)
+
+    def _shadow_logprobs(self, b: Batch) -> torch.Tensor:
+        from fp8core.convert import high_precision
+
+        with high_precision(self.model):
+            return self.logprobs(b)[0]
+
+    # ---------------------------------------------------------------------------------------------------- training
+    def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        from fp8core.rl import grpo_advantages
+
+        g = self.cfg.grpo
+        if g.use_leave_one_out_baseline:
+            adv = leave_one_out_advantages(rewards, group_size=group_size)
+            if g.normalize_rewards:
+                std = rewards.reshape(-1, group_size).std(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
+                adv = adv / (std + 1e-6)
+            return adv
+        return grpo_advantages(rewards, group_size=group_size, normalize_std=g.normalize_rewards)
+
+    def train_step(self, rollouts: Sequence[Mapping], rewards: Sequence[float], *, step: int) -> dict[str, float]:
+        """One GRPO step on ``rollouts`` (RolloutWorker.generate output) with ``rewards`` (one per sample, prompt-major).
+        Returns metrics (python floats, stable names)."""
+        from fp8core.rl import clipped_pg_loss, importance_weights, mismatch_metrics, response_length_metrics
+        cfg, lf = self.cfg, self.cfg.loss_fn
+        t0 = time.perf_counter()
+        b = Batch.from_rollouts(rollouts, pad_id=self.tokenizer.pad_token_id)
+        r = torch.tensor(list(rewards), dtype=torch.float32)
+        if r.numel() != len(b):
+            raise ValueError(f"train_step: {r.numel()} rewards for {len(b)} samples")
+        m: dict[str, float] = {}
+        old_logp, ent = self.logprobs(b, want_entropy=True)
+        t_old = time.perf_counter() - t0
+        m.update(mismatch_metrics(old_logp, b.rollout_logp, b.mask))
+        m["policy/entropy"] = float((ent * b.mask).sum() / b.mask.sum().clamp_min(1))  # exact, sampled tokens
+        m.update(response_length_metrics(b.mask))
+        adv = self.advantages(r, b.group_size)
+        is_w = None
+        if lf.use_importance_sampling_correction:
+            is_w, is_m = importance_weights(old_logp, b.rollout_logp, b.mask, kind=lf.importance_sampling,
+                                            cap=lf.is_truncation, low=lf.is_mask_low, high=lf.is_mask_high)
+            m.update(is_m)
+        calibrate = self.cc is not None and self.cc.should_calibrate(step)
+        t_cal = 0.0
+        if calibrate:
+            tc = time.perf_counter()
+            old_bf16 = self._shadow_logprobs(b)
+            t_cal += time.perf_counter() - tc
+
+        clip_low, clip_high = self.bounds()
+        agg = "token_mean" if lf.token_level_loss else "seq_mean_token_mean"
+        gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
+        perm = torch.randperm(len(b), generator=torch.Generator().manual_seed(cfg.grpo.seed * 100003 + step))
+        self.model.train()
+        sums: dict[str, float] = {}
+        n_mb, n_gb, grad_norms, updates = 0, 0, [], 0
+        for g0 in range(0, len(b), gbs):
+            gidx = perm[g0: g0 + gbs]
+            gm = b.mask[gidx]
+            normalizer = float(gm.sum().clamp_min(1)) if lf.token_level_loss else float((gm.sum(1) > 0).sum())
+            self.optimizer.zero_grad(set_to_none=True)
+            n_gb += 1
+            finite = True
+            for m0 in range(0, len(gidx), mbs):
+                idx = gidx[m0: m0 + mbs]
+                mb = b.slice(idx)
+                logp, _ = self._token_logp(mb)
+                loss, lm = clipped_pg_loss(
+                    logp, old_logp[idx].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
+                    clip_low=clip_low, clip_high=clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg,
+                    is_weights=None if is_w is None else is_w[idx].to(logp.device), normalizer=normalizer)
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                n_mb += 1
+                for k, v in lm.items():
+                    sums[k] = sums.get(k, 0.0) + v
+            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.policy.max_grad_norm)
+            if finite and torch.isfinite(gn):
+                self.optimizer.step()
+                updates += 1
+                grad_norms.append(float(gn))
+            else:
+                self.skipped_updates += 1
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        for k, v in sums.items():  # micro-batch means; loss/total is normalized globally, so sum per global batch
+            m[k] = v / max(1, n_gb) if k == "loss/total" else v / max(1, n_mb)
+        m["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        m["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        m["train/optimizer_updates"] = float(updates)
+        m["train/skipped_updates"] = float(self.skipped_updates)
+        m["reward/mean"] = float(r.mean())
+        m["reward/std"] = float(r.std()) if r.numel() > 1 else 0.0
+        groups = r.reshape(-1, b.group_size)
+        m["reward/frac_groups_all_same"] = float((groups.max(1).values == groups.min(1).values).float().mean())
+        m["advantage/abs_mean"] = float(adv.abs().mean())
+        if calibrate:
+            tc = time.perf_counter()
+            new_fp8 = self.logprobs(b)[0]
+            new_bf16 = self._shadow_logprobs(b)
+            (lo, hi), diag = self.cc.calibrate(step, torch.exp((new_fp8 - old_logp) * b.mask),
+                                               torch.exp((new_bf16 - old_bf16) * b.mask), adv, b.mask)
+            m.update(diag)
+            t_cal += time.perf_counter() - tc
+        lo, hi = self.bounds()
+        m["clip/bound_low"], m["clip/bound_high"] = float(lo), float(hi)
+        wall = time.perf_counter() - t0
+        ntok = float(b.attn.sum())
+        m["time/train_logprob_s"] = t_old
+        m["time/clip_calibration_s"] = t_cal
+        m["time/policy_train_s"] = wall
+        m["throughput/train_tokens_per_s"] = ntok / max(wall - t_cal, 1e-9)
+        m["train/tokens"] = ntok
+        self.step = step
+        return m
+
+    # ------------------------------------------------------------------------------------------------ KV calibration
+    @torch.no_grad()
+    def calibrate_kv_scales(self, rollouts: Sequence[Mapping], *, max_samples: int) -> dict[str, list[float]]:
+        """Per-layer K/V scales (amax / 448) from the policy's own forward over (prompt + response) sequences of the
+        current batch; sent to the rollout engine with the next refit (``fp8core.rl.kv_calibration``)."""
+        from fp8core.rl.kv_calibration import calibrate_kv_scales
+
+        flat = []
+        for r in rollouts:
+            for s in r["samples"]:
+                flat.append({"prompt_token_ids": r["prompt_token_ids"], "samples": [s]})
+        b = Batch.from_rollouts(flat[:max_samples], pad_id=self.tokenizer.pad_token_id)
+        was = self.model.training
+        self.model.eval()
+        bs = self.cfg.policy.logprob_batch_size
+        batches = [{"input_ids": b.tokens[i:i + bs].to(self.device), "attention_mask": b.attn[i:i + bs].to(self.device)}
+                   for i in range(0, len(b), bs)]
+        with _autocast(self.cfg.policy.precision, self.device):
+            scales = calibrate_kv_scales(self.model, batches)
+        self.model.train(was)
+        self.kv_scales = {k: [float(x) for x in v] for k, v in scales.items()}
+        return self.kv_scales
+
+    def get_kv_scales(self) -> dict[str, list[float]] | None:
+        return self.kv_scales
+
+    # ---------------------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, uri: str, step: int, *, extra: Mapping | None = None, keep_last_k: int | None = None,
+                        endpoint_url: str | None = None) -> str:
+        """Write a complete checkpoint of RL step ``step`` (workers/checkpoint.py) and prune old ones."""
+        from workers.checkpoint import CheckpointStore, model_files, rng_state
+
+        store = CheckpointStore(uri, endpoint_url=endpoint_url)
+        state = {"clip_bounds": list(self.bounds()), "kv_scales": self.kv_scales,
+                 "calibrated_clipping": self.cc.state_dict() if self.cc is not None else None,
+                 "skipped_updates": self.skipped_updates, "fp8_layers": self.fp8_layers, **(extra or {})}
+        out = store.save(step, weights={k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                         model_files=model_files(self.model_dir),
+                         optimizer={"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                         rng=rng_state(), state=state)
+        store.prune(keep_last_k)
+        return out
+
+    def load_checkpoint(self, uri: str, step: int | None = None, *, endpoint_url: str | None = None) -> dict:
+        """Restore weights, optimizer, scheduler, RNG, clip bounds and KV scales; returns the trainer state."""
+        from workers.checkpoint import CheckpointStore, set_rng_state
+
+        ck = CheckpointStore(uri, endpoint_url=endpoint_url).load(step)
+        missing, unexpected = self.model.load_state_dict(ck.weights, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{ck.uri}: checkpoint does not match the model (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+        self.optimizer.load_state_dict(ck.optimizer["optimizer"])
+        self.scheduler.load_state_dict(ck.optimizer["scheduler"])
+        if ck.rng is not None:
+            set_rng_state(ck.rng)
+        st = ck.state
+        if self.cc is not None and st.get("calibrated_clipping"):
+            self.cc.load_state_dict(st["calibrated_clipping"])
+        self.kv_scales = st.get("kv_scales")
+        self.skipped_updates = int(st.get("skipped_updates", 0))
+        self.step = ck.step
+        return {**st, "step": ck.step, "uri": ck.uri}
