@@ -76,3 +76,36 @@ def test_weight_is_one_when_logprobs_agree(seed, kind):
     assert torch.equal(w, mask)
     if mask.sum() > 0:
         assert m["is/weight_mean"] == 1.0 and m["is/weight_max"] == 1.0 and m["is/frac_truncated"] == 0.0
+
+
+def _loop_weights(old, roll, mask, kind, cap, low, high):
+    out = []
+    for o_row, r_row, m_row in zip(old, roll, mask, strict=True):
+        valid = [t for t, m in enumerate(m_row) if m > 0]
+        rho = [math.exp(o - r) for o, r in zip(o_row, r_row, strict=True)]
+        geo = math.exp(sum(o_row[t] - r_row[t] for t in valid) / max(len(valid), 1))
+        row = []
+        for t in range(len(m_row)):
+            if t not in valid:
+                row.append(0.0)
+            elif kind == "tis":
+                row.append(min(rho[t], cap))
+            elif kind == "icepop":
+                row.append(rho[t] if low <= rho[t] <= high else 0.0)
+            else:
+                row.append(min(rho[t], cap) if low <= geo <= high else 0.0)
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_vectorized_matches_loop_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    roll = -torch.rand(6, 5, generator=g, dtype=torch.float64) * 3
+    old = roll + 0.5 * torch.randn(6, 5, generator=g, dtype=torch.float64)
+    old[0] = roll[0] + 0.01  # a sequence inside the seq-mask band
+    mask = (torch.rand(6, 5, generator=g) > 0.25).to(torch.float64)
+    for kind, cap, low, high in [("tis", 1.5, None, None), ("icepop", 2.0, 0.7, 1.6), ("seq_mask_tis", 1.5, 0.9, 1.1)]:
+        w, _ = importance_weights(old, roll, mask, kind=kind, cap=cap, low=low, high=high)
+        want = _loop_weights(old.tolist(), roll.tolist(), mask.tolist(), kind, cap, low, high)
+        assert w.tolist() == [pytest.approx(row, rel=1e-6) for row in want], kind

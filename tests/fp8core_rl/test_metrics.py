@@ -103,3 +103,30 @@ def test_metrics_invariant_to_batch_order(seed):
     assert a.keys() == b.keys()
     for k in a:
         assert b[k] == pytest.approx(a[k], rel=1e-12, abs=1e-12), k
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mismatch_and_clip_match_loop_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    train = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 4
+    roll = train + 0.4 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    mask = (torch.rand(4, 6, generator=g) > 0.3).double()
+    adv = torch.randn(4, generator=g, dtype=torch.float64)
+    ratio = torch.exp(0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64))
+    toks = [(i, t) for i in range(4) for t in range(6) if mask[i, t] > 0]
+    d = [train[i, t].item() - roll[i, t].item() for i, t in toks]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    m = mismatch_metrics(train, roll, mask)
+    assert m["mismatch/token_mult_prob_error"] == pytest.approx(mean([math.exp(abs(x)) for x in d]), rel=1e-12)
+    assert m["mismatch/kl_k3_rollout_train"] == pytest.approx(mean([math.exp(x) - 1 - x for x in d]), rel=1e-12)
+    assert m["mismatch/kl_k3_train_rollout"] == pytest.approx(mean([math.exp(-x) - 1 + x for x in d]), rel=1e-12)
+    js = [0.5 * (math.exp(x) * x - (1 + math.exp(x)) * math.log((1 + math.exp(x)) / 2)) for x in d]
+    assert m["mismatch/js"] == pytest.approx(mean(js), rel=1e-9)
+    c = clip_metrics(ratio, adv, mask, clip_low=0.8, clip_high=1.2)
+    neg = [(i, t) for i, t in toks if adv[i] < 0]
+    pos = [(i, t) for i, t in toks if adv[i] > 0]
+    frac = lambda sel, cond: sum(1 for i, t in sel if cond(ratio[i, t].item())) / len(sel) if sel else 0.0  # noqa: E731
+    assert c["clip/lower_neg_adv_frac"] == pytest.approx(frac(neg, lambda r: r < 0.8))
+    assert c["clip/upper_neg_adv_frac"] == pytest.approx(frac(neg, lambda r: r > 1.2))
+    assert c["clip/lower_pos_adv_frac"] == pytest.approx(frac(pos, lambda r: r < 0.8))
+    assert c["clip/upper_pos_adv_frac"] == pytest.approx(frac(pos, lambda r: r > 1.2))
