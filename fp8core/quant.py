@@ -156,20 +156,6 @@ def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
 
 
-def _amax(xa: torch.Tensor, granularity: str) -> torch.Tensor:
-    """amax of |x| per group; ``xa`` is |x| in FP32. Zero padding does not change a max of absolute values."""
-    if granularity == "tensorwise":
-        return xa.amax() if xa.numel() else xa.new_zeros(())
-    if granularity == "rowwise":
-        return xa.amax(dim=-1, keepdim=True) if xa.shape[-1] else xa.new_zeros(_scale_shape(xa.shape, granularity))
-    if granularity == "group128":
-        xp = _pad_to(xa, -1, GROUP)
-        return xp.reshape(*xp.shape[:-1], xp.shape[-1] // GROUP, GROUP).amax(dim=-1)
-    xp = _pad_to(_pad_to(xa, -1, GROUP), -2, GROUP)
-    mb, kb = xp.shape[-2] // GROUP, xp.shape[-1] // GROUP
-    return xp.reshape(*xp.shape[:-2], mb, GROUP, kb, GROUP).amax(dim=(-3, -1))
-
-
 def _round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= scale (scale > 0, finite), exactly: frexp gives scale = m * 2**e with m in [0.5, 1)."""
     mantissa, exponent = torch.frexp(scale)
@@ -206,12 +192,31 @@ def quantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool
         raise ValueError("quantize: input contains non-finite values (inf or nan, or beyond the FP32 range); "
                          "FP8 scales cannot be computed from them")
     fp8_max = FP8_MAX[fmt]
-    scale = _amax(xf.abs(), granularity) / fp8_max
-    scale = torch.clamp(scale, min=MIN_SCALE)
-    if pow2:
-        scale = _round_up_pow2(scale)
+
+    def finish(amax: torch.Tensor) -> torch.Tensor:
+        scale = torch.clamp(amax / fp8_max, min=MIN_SCALE)
+        return _round_up_pow2(scale) if pow2 else scale
+
+    # Groups are views of (zero-padded) x: zeros change no amax and are cropped after the division.
+    if granularity == "tensorwise":
+        scale = finish(xf.abs().amax() if xf.numel() else xf.new_zeros(()))
+        scaled = xf / scale
+    elif granularity == "rowwise":
+        amax = xf.abs().amax(dim=-1, keepdim=True) if xf.shape[-1] else xf.new_zeros(scale_shape)
+        scale = finish(amax)
+        scaled = xf / scale
+    elif granularity == "group128":
+        xp = _pad_to(xf, -1, GROUP)
+        groups = xp.reshape(*xp.shape[:-1], xp.shape[-1] // GROUP, GROUP)
+        scale = finish(groups.abs().amax(dim=-1))
+        scaled = (groups / scale.unsqueeze(-1)).reshape(xp.shape)[..., : xf.shape[-1]]
+    else:
+        xp = _pad_to(_pad_to(xf, -1, GROUP), -2, GROUP)
+        mb, kb = xp.shape[-2] // GROUP, xp.shape[-1] // GROUP
+        blocks = xp.reshape(*xp.shape[:-2], mb, GROUP, kb, GROUP)
+        scale = finish(blocks.abs().amax(dim=(-3, -1)))
+        scaled = (blocks / scale.unsqueeze(-1).unsqueeze(-3)).reshape(xp.shape)[..., : xf.shape[-2], : xf.shape[-1]]
     assert tuple(scale.shape) == scale_shape
-    scaled = xf / expand_scale(scale, granularity, xf.shape)
     data = torch.clamp(scaled, -fp8_max, fp8_max).to(FP8_DTYPES[fmt])
     return QuantizedTensor(data, scale.contiguous(), granularity, fmt)
 
