@@ -188,36 +188,46 @@ def quantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool
                          f"{getattr(x, 'dtype', type(x).__name__)}")
     scale_shape = _scale_shape(tuple(x.shape), granularity)  # validates the rank
     xf = x.detach().to(torch.float32)
-    if not bool(torch.isfinite(xf).all()):
-        raise ValueError("quantize: input contains non-finite values (inf or nan, or beyond the FP32 range); "
-                         "FP8 scales cannot be computed from them")
     fp8_max = FP8_MAX[fmt]
 
-    def finish(amax: torch.Tensor) -> torch.Tensor:
-        scale = torch.clamp(amax / fp8_max, min=MIN_SCALE)
-        return _round_up_pow2(scale) if pow2 else scale
+    def absmax(v: torch.Tensor, dim) -> torch.Tensor:
+        # max(amax, -amin): two fast reductions and no |x| temporary; both propagate nan, and inf shows up as inf
+        return torch.maximum(v.amax(dim=dim), v.amin(dim=dim).neg())
 
     # Groups are views of (zero-padded) x: zeros change no amax and are cropped after the division.
-    if granularity == "tensorwise":
-        scale = finish(xf.abs().amax() if xf.numel() else xf.new_zeros(()))
-        scaled = xf / scale
+    if xf.numel() == 0:
+        amax, view = xf.new_zeros(scale_shape), None
+    elif granularity == "tensorwise":
+        view = xf
+        amax = absmax(view, None)
     elif granularity == "rowwise":
-        amax = xf.abs().amax(dim=-1, keepdim=True) if xf.shape[-1] else xf.new_zeros(scale_shape)
-        scale = finish(amax)
-        scaled = xf / scale
+        view = xf
+        amax = absmax(view, -1).unsqueeze(-1)
     elif granularity == "group128":
         xp = _pad_to(xf, -1, GROUP)
-        groups = xp.reshape(*xp.shape[:-1], xp.shape[-1] // GROUP, GROUP)
-        scale = finish(groups.abs().amax(dim=-1))
-        scaled = (groups / scale.unsqueeze(-1)).reshape(xp.shape)[..., : xf.shape[-1]]
+        view = xp.reshape(*xp.shape[:-1], xp.shape[-1] // GROUP, GROUP)
+        amax = absmax(view, -1)
     else:
         xp = _pad_to(_pad_to(xf, -1, GROUP), -2, GROUP)
         mb, kb = xp.shape[-2] // GROUP, xp.shape[-1] // GROUP
-        blocks = xp.reshape(*xp.shape[:-2], mb, GROUP, kb, GROUP)
-        scale = finish(blocks.abs().amax(dim=(-3, -1)))
-        scaled = (blocks / scale.unsqueeze(-1).unsqueeze(-3)).reshape(xp.shape)[..., : xf.shape[-2], : xf.shape[-1]]
+        view = xp.reshape(*xp.shape[:-2], mb, GROUP, kb, GROUP)
+        amax = absmax(view, (-3, -1))
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError("quantize: input contains non-finite values (inf or nan, or beyond the FP32 range); "
+                         "FP8 scales cannot be computed from them")
+    scale = torch.clamp(amax / fp8_max, min=MIN_SCALE)
+    if pow2:
+        scale = _round_up_pow2(scale)
     assert tuple(scale.shape) == scale_shape
-    data = torch.clamp(scaled, -fp8_max, fp8_max).to(FP8_DTYPES[fmt])
+    if view is None:
+        scaled = xf
+    elif granularity in ("tensorwise", "rowwise"):
+        scaled = view / scale
+    elif granularity == "group128":
+        scaled = (view / scale.unsqueeze(-1)).reshape(xp.shape)[..., : xf.shape[-1]]
+    else:
+        scaled = (view / scale.unsqueeze(-1).unsqueeze(-3)).reshape(xp.shape)[..., : xf.shape[-2], : xf.shape[-1]]
+    data = scaled.clamp_(-fp8_max, fp8_max).to(FP8_DTYPES[fmt])
     return QuantizedTensor(data, scale.contiguous(), granularity, fmt)
 
 
@@ -226,11 +236,11 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     data = q.data.to(torch.float32)
     shape = data.shape
     if q.granularity == "group128" and shape[-1] % GROUP == 0:  # same values, no expanded scale tensor
-        out = (data.reshape(*shape[:-1], shape[-1] // GROUP, GROUP) * q.scale.unsqueeze(-1)).reshape(shape)
+        out = data.reshape(*shape[:-1], shape[-1] // GROUP, GROUP).mul_(q.scale.unsqueeze(-1)).reshape(shape)
     elif q.granularity == "block128" and shape[-1] % GROUP == 0 and shape[-2] % GROUP == 0:
         mb, kb = shape[-2] // GROUP, shape[-1] // GROUP
         blocks = data.reshape(*shape[:-2], mb, GROUP, kb, GROUP)
-        out = (blocks * q.scale.unsqueeze(-1).unsqueeze(-3)).reshape(shape)
+        out = blocks.mul_(q.scale.unsqueeze(-1).unsqueeze(-3)).reshape(shape)
     else:
-        out = data * q.expanded_scale()
+        out = data.mul_(q.expanded_scale())
     return out.to(dtype)
