@@ -235,8 +235,8 @@ class ClusterCfg:
 class BootstrapCfg:
     """Supervised warm start of the embedded tiny model (cached under ``assets_dir``)."""
 
-    assets_dir: str = "runs/assets"
-    sft_steps: int = 300
+    assets_dir: str = "runs/assets"  # relative paths are relative to the working directory (shared across runs)
+    sft_steps: int | None = None  # None: workers.bootstrap.SFTConfig's default
 
 
 @dataclass(frozen=True)

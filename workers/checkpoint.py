@@ -224,6 +224,12 @@ class CheckpointStore:
                           optimizer=tload("optimizer.pt"), rng=tload("rng.pt"),
                           state=json.loads(blobs["trainer_state.json"]))
 
+    def load_state(self, step: int) -> dict:
+        """The small trainer_state.json of a complete checkpoint (MLflow run id, step, clip bounds, ...)."""
+        if not self.is_complete(step):
+            raise CheckpointError(f"{self.step_uri(step)}: incomplete checkpoint (no valid {MANIFEST})")
+        return json.loads(self._read(f"{self.step_dir(step)}/trainer_state.json"))
+
     def download_model(self, step: int, local_dir: str | Path) -> Path:
         """Copy the HF-format part (weights + config + tokenizer) of a complete checkpoint to ``local_dir``."""
         manifest = self._manifest(step)

@@ -1,0 +1,247 @@
+"""Flow ``fp8-grpo``: one training run of a recipe.
+
+    python -m flows.grpo configs/tiny_fp8_e2e.yaml [key=value ...]
+
+Order: load + validate the recipe (bad keys/types/combinations fail here) -> embedded assets (bootstrap subflow) when
+the recipe says ``embedded`` -> load the datasets (missing file/column fails here, before any worker starts) -> Ray
+(local on 127.0.0.1, or ``ray.address``) + the PolicyWorker and RolloutWorker actors -> resume from the latest
+complete checkpoint (``checkpointing.resume``: same MLflow run, step counter continues) -> validation at step 0 ->
+``rl_step`` subflows, validation every ``grpo.val_period`` steps, checkpoints every ``checkpointing.save_period``
+steps and at the end -> summary + plot in MLflow; the terminal gets one line per step and, at the end, where the
+MLflow run and the checkpoint are.
+
+Parameters are the recipe path and override strings only (deployment-friendly); the flow returns a small summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+
+def _cli_env() -> None:
+    """Before Prefect is imported (it reads its home and logging settings at import): keep its state under runs/
+    and its console logging quiet, so the terminal shows our one line per step."""
+    home = Path("runs/.prefect").resolve()
+    os.environ.setdefault("PREFECT_HOME", str(home))
+    os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(home / "memo_store.toml"))
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    home.mkdir(parents=True, exist_ok=True)
+
+
+if __name__ == "__main__":
+    _cli_env()
+
+from prefect import flow  # noqa: E402
+
+from configs.schema import EMBEDDED, Config, load_config, to_yaml  # noqa: E402
+
+PLOT_KEYS = ["reward/mean", "val/accuracy", "mismatch/token_mult_prob_error", "policy/entropy", "time/step_s",
+             "throughput/rollout_tokens_per_s"]
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def resolve_paths(cfg: Config) -> tuple[Path, str | None]:
+    run_dir = Path(cfg.run_dir).resolve()
+    ck = cfg.checkpointing
+    if not ck.enabled:
+        return run_dir, None
+    uri = ck.checkpoint_dir
+    if "://" not in uri and not uri.startswith("/"):
+        uri = str(run_dir / uri)
+    return run_dir, uri
+
+
+def _progress(step: int, total: int, m: dict, val: float | None) -> str:
+    acc = f"{val:.3f}" if val is not None else "  -  "
+    return (f"step {step:>3}/{total} | reward {m.get('reward/mean', float('nan')):.3f} | val_acc {acc} | "
+            f"mismatch {m.get('mismatch/token_mult_prob_error', float('nan')):.4f} | "
+            f"clip [{m.get('clip/bound_low', 0):.2f},{m.get('clip/bound_high', 0):.2f}] | "
+            f"step {m.get('time/step_s', 0):5.1f}s (rollout {m.get('time/rollout_s', 0):.1f} "
+            f"train {m.get('time/train_s', 0):.1f} calib {m.get('time/calibrate_s', 0):.1f})")
+
+
+@flow(name="fp8-grpo", log_prints=False, validate_parameters=True)
+def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
+    import ray
+
+    from flows.bootstrap import bootstrap_flow
+    from flows.rl_step import rl_step
+    from tasks import rl
+    from tasks.checkpoint import load_checkpoint, save_checkpoint
+    from tasks.tracking import client, finish_run, log_metrics, log_text, start_run, tracking_uri
+    from workers.checkpoint import CheckpointStore
+    from workers.cluster import apply_env, init_ray, start_workers, stop_workers
+    from workers.data import PromptSource
+
+    t_start = time.perf_counter()
+    cfg = load_config(config_path, list(overrides or []))
+    run_dir, ck_uri = resolve_paths(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    apply_env(run_dir)
+    (run_dir / "config.resolved.yaml").write_text(to_yaml(cfg))
+    _say(f"fp8-grpo: recipe {cfg.recipe} ({cfg.precision_tag}), run dir {run_dir}")
+
+    # -- assets and data (fail before any worker starts) -------------------------------------------------------------
+    model_dir = cfg.policy.model_name
+    train_path, val_path = cfg.data.train_path, cfg.data.validation_path
+    if EMBEDDED in (model_dir, train_path, val_path):
+        assets = bootstrap_flow(cfg.bootstrap.assets_dir, cfg.bootstrap.sft_steps, cfg.grpo.seed)
+        model_dir = assets["model_dir"] if model_dir == EMBEDDED else model_dir
+        train_path = assets["train"] if train_path == EMBEDDED else train_path
+        val_path = assets["validation"] if val_path == EMBEDDED else val_path
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"policy.model_name: {model_dir} is not a local Hugging Face model directory")
+    data = PromptSource.from_config(cfg.data, train_path=train_path, validation_path=val_path, seed=cfg.grpo.seed)
+    val_rows = data.validation_rows(cfg.grpo.max_val_samples)
+
+    # -- resume state (read before MLflow, so the same run is reopened) ---------------------------------------------
+    ck_cfg = cfg.checkpointing
+    start_step, resume_state = 0, None
+    if ck_cfg.resume:
+        store = CheckpointStore(ck_uri, endpoint_url=ck_cfg.s3_endpoint_url)
+        latest = store.latest_step()
+        if latest is not None:
+            resume_state = store.load_state(latest)
+            start_step = latest
+            _say(f"resume: checkpoint {store.step_uri(latest)} (step {latest})")
+        else:
+            _say(f"resume: no complete checkpoint under {ck_uri}; starting at step 0")
+
+    uri = tracking_uri(cfg, run_dir) if cfg.logger.mlflow_enabled else None
+    run_id = None
+    if uri:
+        run_id = start_run(cfg, uri, run_id=(resume_state or {}).get("mlflow_run_id"))
+        log_text(uri, run_id, to_yaml(cfg), "config.resolved.yaml")
+
+    started_ray, workers, status = False, None, "FAILED"
+    val_acc: dict[int, float] = {}
+    last_ck, history = None, []
+    try:
+        started_ray = init_ray(cfg, run_dir)
+        t0 = time.perf_counter()
+        workers = start_workers(cfg, Path(model_dir), run_dir, tag=uuid.uuid4().hex[:8])
+        info = ray.get(workers.policy.info.remote())
+        _say(f"workers up in {time.perf_counter() - t0:.1f}s: policy {info['num_params'] / 1e6:.2f}M params "
+             f"({info['fp8_layers']} FP8 linears), rollout vLLM {cfg.policy.generation.vllm_cfg.precision} "
+             f"kv={cfg.policy.generation.vllm_cfg.kv_cache_dtype}")
+        gen = cfg.policy.generation
+        ctx = {"policy": workers.policy_name, "rollout": workers.rollout_name, "run_id": run_id,
+               "tracking_uri": uri, "model_dir": str(model_dir), "seed": cfg.grpo.seed, "recipe": cfg.recipe,
+               "gen": {"n": cfg.grpo.num_generations_per_prompt, "max_tokens": gen.max_new_tokens,
+                       "temperature": gen.temperature, "top_p": gen.top_p},
+               "kv_fp8": gen.vllm_cfg.kv_fp8, "kv_period": max(1, cfg.calibration.kv_scales_period),
+               "kv_samples": cfg.calibration.kv_calibration_samples,
+               "checkpoint": {"uri": ck_uri, "keep_last_k": ck_cfg.keep_last_k,
+                              "endpoint_url": ck_cfg.s3_endpoint_url}}
+        if resume_state is not None:
+            load_checkpoint(ctx, start_step)
+        elif gen.vllm_cfg.kv_fp8:  # initial KV scales from the starting policy on a first batch of rollouts
+            rl.refit(ctx)
+            ref, _ = rl.rollout(ctx, data.train_rows(0, cfg.grpo.num_prompts_per_step), 0)
+            rl.calibrate(ctx, ref, 0)
+
+        def run_validation(step: int) -> None:
+            out = rl.validate(ctx, val_rows, step, num_samples_to_keep=cfg.logger.num_val_samples_to_print)
+            val_acc[step] = out["metrics"]["val/accuracy"]
+            log_text(uri, run_id, json.dumps(out["samples"], indent=1), f"samples/val_step_{step:06d}.json")
+            if step == start_step:
+                _say(f"step {step:>3}/{cfg.grpo.max_num_steps} | validation accuracy {val_acc[step]:.3f} "
+                     f"({len(val_rows)} prompts, {out['metrics']['time/validate_s']:.1f}s)")
+
+        if cfg.grpo.val_at_start and start_step == 0:
+            run_validation(0)
+        skipped_before = 0.0
+        for step in range(start_step + 1, cfg.grpo.max_num_steps + 1):
+            rows = data.train_rows(step - 1, cfg.grpo.num_prompts_per_step)
+            m = rl_step(ctx, rows, step)
+            history.append(m)
+            last = step == cfg.grpo.max_num_steps
+            if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or last:
+                run_validation(step)
+            _say(_progress(step, cfg.grpo.max_num_steps, m, val_acc.get(step)))
+            skipped_now = m.get("train/skipped_updates", 0.0) - skipped_before
+            skipped_before = m.get("train/skipped_updates", 0.0)
+            if ck_uri and (step % ck_cfg.save_period == 0 or last):
+                if skipped_now > 0:
+                    _say(f"step {step}: {int(skipped_now)} non-finite update(s) skipped; checkpoint not written")
+                else:
+                    last_ck = save_checkpoint(ctx, step)
+        status = "FINISHED"
+    finally:
+        try:
+            stop_workers(workers)
+        finally:
+            if started_ray:
+                ray.shutdown()
+        summary = _summary(cfg, history, val_acc, start_step, last_ck, uri, run_id, time.perf_counter() - t_start)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        if uri and run_id:
+            if val_acc:
+                log_metrics(uri, run_id, {"summary/val_accuracy_start": summary["val_accuracy_start"] or 0.0,
+                                          "summary/val_accuracy_end": summary["val_accuracy_end"] or 0.0},
+                            cfg.grpo.max_num_steps)
+            finish_run(uri, run_id, status=status, summary=summary, plot_keys=PLOT_KEYS)
+            exp = client(uri).get_run(run_id).info.experiment_id
+            summary["mlflow_experiment_id"] = exp
+    _say(_final_lines(summary))
+    return summary
+
+
+def _summary(cfg, history, val_acc, start_step, last_ck, uri, run_id, wall) -> dict:
+    def mean(key):
+        vals = [m[key] for m in history if key in m]
+        return sum(vals) / len(vals) if vals else None
+
+    steps = sorted(val_acc)
+    split = {k[len("time/"):-2]: mean(k) for k in ("time/refit_s", "time/rollout_s", "time/reward_s",
+                                                    "time/train_s", "time/calibrate_s", "time/clip_calibration_s")}
+    return {"recipe": cfg.recipe, "precision": cfg.precision_tag, "steps_run": len(history),
+            "first_step": start_step + 1, "last_step": start_step + len(history),
+            "val_accuracy_start": val_acc[steps[0]] if steps else None,
+            "val_accuracy_end": val_acc[steps[-1]] if steps else None, "val_accuracy": val_acc,
+            "reward_mean": mean("reward/mean"),
+            "mean_token_mult_prob_error": mean("mismatch/token_mult_prob_error"),
+            "mean_step_s": mean("time/step_s"), "mean_time_split_s": split,
+            "mean_rollout_tokens_per_s": mean("throughput/rollout_tokens_per_s"),
+            "mean_train_tokens_per_s": mean("throughput/train_tokens_per_s"),
+            "checkpoint": last_ck, "mlflow_tracking_uri": uri, "mlflow_run_id": run_id, "wall_s": wall}
+
+
+def _final_lines(s: dict) -> str:
+    lines = [f"done: {s['steps_run']} steps of {s['recipe']} ({s['precision']}) in {s['wall_s']:.0f}s; "
+             f"val accuracy {s['val_accuracy_start']} -> {s['val_accuracy_end']}; "
+             f"mean token-mult-prob-error {s['mean_token_mult_prob_error']}; mean step {s['mean_step_s']}s"]
+    if s.get("mlflow_run_id"):
+        lines.append(f"MLflow run {s['mlflow_run_id']} (experiment {s.get('mlflow_experiment_id')}) at "
+                     f"{s['mlflow_tracking_uri']}  ->  mlflow ui --backend-store-uri {s['mlflow_tracking_uri']}")
+    if s.get("checkpoint"):
+        lines.append(f"checkpoint: {s['checkpoint']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    from configs.schema import ConfigError
+
+    try:
+        load_config(argv[0], argv[1:])  # fail fast with the dotted path, before Prefect starts its server
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    grpo(argv[0], argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

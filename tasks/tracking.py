@@ -1,0 +1,106 @@
+"""MLflow helpers used by tasks and flows: explicit run ids (MlflowClient), so logging works from Prefect's task
+threads (the fluent API's active run is thread-local) and a resumed run logs into the same MLflow run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+_SECRET = re.compile(r"(secret|password|token|credential|access_key|session_key)", re.I)
+
+
+def tracking_uri(cfg, run_dir: Path) -> str:
+    """logger.mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else a sqlite file under the run dir."""
+    return cfg.logger.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
+        f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+
+
+def client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def start_run(cfg, uri: str, *, run_id: str | None = None) -> str:
+    """Create the run (params = flattened resolved config, tags = recipe/precision) or reopen ``run_id``."""
+    from mlflow.entities import Param, RunTag
+
+    c = client(uri)
+    if run_id:
+        c.update_run(run_id, status="RUNNING")
+        return run_id
+    name = cfg.logger.mlflow.experiment_name
+    exp = c.get_experiment_by_name(name)
+    exp_id = exp.experiment_id if exp else c.create_experiment(name)
+    run = c.create_run(exp_id, run_name=cfg.logger.mlflow.run_name or f"{cfg.recipe}",
+                       tags={"recipe": cfg.recipe, "precision": cfg.precision_tag,
+                             "fp8_recipe": cfg.policy.megatron_cfg.fp8_cfg.fp8_recipe
+                             if cfg.policy.megatron_cfg.fp8_cfg.enabled else "none",
+                             "kv_cache_dtype": cfg.policy.generation.vllm_cfg.kv_cache_dtype})
+    params = [Param(k, str(v)[:6000]) for k, v in sorted(cfg.flat().items()) if not _SECRET.search(k)]
+    for i in range(0, len(params), 100):
+        c.log_batch(run.info.run_id, params=params[i:i + 100])
+    c.log_batch(run.info.run_id, tags=[RunTag("mlflow.note.content", f"fp8-grpo recipe {cfg.recipe}")])
+    return run.info.run_id
+
+
+def log_metrics(uri: str | None, run_id: str | None, metrics: Mapping[str, float], step: int) -> None:
+    """Log finite numeric metrics at ``step`` (one batch request)."""
+    if not run_id:
+        return
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    items = [Metric(k, float(v), now, step) for k, v in metrics.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
+    c = client(uri)
+    for i in range(0, len(items), 500):
+        c.log_batch(run_id, metrics=items[i:i + 500])
+
+
+def log_text(uri: str | None, run_id: str | None, text: str, path: str) -> None:
+    if run_id:
+        client(uri).log_text(run_id, text, path)
+
+
+@task(name="log-metrics", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def log_metrics_task(uri: str | None, run_id: str | None, metrics: dict, step: int) -> None:
+    log_metrics(uri, run_id, metrics, step)
+
+
+@task(name="finish-run", cache_policy=NO_CACHE)
+def finish_run(uri: str | None, run_id: str | None, *, status: str, summary: dict, plot_keys: list[str]) -> str | None:
+    """Final summary + a plot of the main curves as artifacts; marks the run FINISHED/FAILED. Returns the plot path."""
+    if not run_id:
+        return None
+    c = client(uri)
+    c.log_text(run_id, json.dumps(summary, indent=1, default=str), "summary.json")
+    plot = None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(2, (len(plot_keys) + 1) // 2, figsize=(4 * ((len(plot_keys) + 1) // 2), 6))
+        for ax, key in zip(axes.flat, plot_keys, strict=False):
+            hist = sorted(c.get_metric_history(run_id, key), key=lambda m: m.step)
+            ax.plot([m.step for m in hist], [m.value for m in hist], marker="o", ms=3)
+            ax.set_title(key, fontsize=9)
+            ax.set_xlabel("step")
+        fig.tight_layout()
+        c.log_figure(run_id, fig, "curves.png")
+        plt.close(fig)
+        plot = "curves.png"
+    finally:
+        c.set_terminated(run_id, status=status)
+    return plot

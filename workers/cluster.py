@@ -1,0 +1,136 @@
+"""Ray runtime for a training run: a local Ray on 127.0.0.1 (temp dir under the run dir) or an existing cluster
+(``ray.address``), and the run's two named actors (PolicyWorker, RolloutWorker).
+
+Ray actors die when their last handle is dropped, so ``start_workers`` returns the handles and the flow keeps them
+for the whole run; Prefect tasks look actors up by name (``actor(name)``) and never receive handles, weights or
+rollouts as parameters. ``stop_workers`` kills exactly the actors it created.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from configs.schema import Config
+
+NAMESPACE = "fp8-grpo"
+
+
+def cache_env(run_dir: Path) -> dict[str, str]:
+    """Caches and switches for every process of the run (set before Ray starts, so actors inherit them)."""
+    cache = run_dir / "cache"
+    env = {
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "HF_HOME": str(cache / "hf"),
+        "PREFECT_HOME": str(cache / "prefect"),
+        "PREFECT_SERVER_MEMO_STORE_PATH": str(cache / "prefect" / "memo_store.toml"),
+    }
+    fixed = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+             "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled", "DO_NOT_TRACK": "1",
+             "VLLM_NO_USAGE_STATS": "1", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+    return {**env, **fixed}
+
+
+def apply_env(run_dir: Path) -> None:
+    """Set the run's environment (existing values win, so tests and users can point caches elsewhere)."""
+    for key, value in cache_env(run_dir).items():
+        os.environ.setdefault(key, value)
+        if key.endswith(("_ROOT", "_DIR", "_HOME")):
+            Path(os.environ[key]).mkdir(parents=True, exist_ok=True)
+
+
+def ray_temp_dir(run_dir: Path) -> str:
+    """$RAY_TMPDIR, else <run_dir>/ray; Ray's unix sockets must fit in 107 bytes, so a long run dir falls back to a
+    short per-run dir under /tmp."""
+    if os.environ.get("RAY_TMPDIR"):
+        return os.environ["RAY_TMPDIR"]
+    candidate = (run_dir / "ray").resolve()
+    if len(str(candidate)) <= 48:
+        return str(candidate)
+    return f"/tmp/ray-{hashlib.sha1(str(candidate).encode()).hexdigest()[:10]}"
+
+
+def init_ray(cfg: Config, run_dir: Path) -> bool:
+    """Connect to ``ray.address`` or start a local Ray on loopback. Returns True when this call started Ray (the
+    caller shuts it down at the end)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=True)
+        return True
+    need = cfg.ray.policy_worker.num_cpus + cfg.ray.rollout_worker.num_cpus
+    num_cpus = cfg.ray.num_cpus or max(int(need + 0.999), os.cpu_count() or 1)
+    tmp = ray_temp_dir(run_dir)
+    Path(tmp).mkdir(parents=True, exist_ok=True)
+    ray.init(num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False, _temp_dir=tmp,
+             _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=True)
+    return True
+
+
+@dataclass
+class Workers:
+    policy_name: str
+    rollout_name: str
+    policy: object  # ray actor handles: keep them alive for the run
+    rollout: object
+
+
+def rollout_config(cfg: Config):
+    from workers.rollout import RolloutConfig
+
+    vc = cfg.policy.generation.vllm_cfg
+    return RolloutConfig(
+        precision="fp8" if vc.precision == "fp8" else "bf16", kv_cache_dtype=vc.kv_cache_dtype,
+        num_first_layers_in_bf16=vc.num_first_layers_in_bf16, num_last_layers_in_bf16=vc.num_last_layers_in_bf16,
+        pow2_weight_scaling_factors=vc.pow2_weight_scaling_factors,
+        pow2_activation_scaling_factors=vc.pow2_activation_scaling_factors,
+        kv_cache_memory_bytes=vc.kv_cache_memory_bytes, max_model_len=vc.max_model_len, seed=cfg.grpo.seed,
+        gpu_memory_utilization=vc.gpu_memory_utilization, enforce_eager=vc.enforce_eager)
+
+
+def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Workers:
+    """Create the run's PolicyWorker and RolloutWorker actors (named ``fp8grpo-{policy,rollout}-{tag}``) and wait
+    until both are constructed (errors surface here, with the actor's traceback)."""
+    import ray
+
+    from workers.policy import PolicyWorker
+    from workers.rollout import RolloutWorker
+
+    pw, rw = cfg.ray.policy_worker, cfg.ray.rollout_worker
+    threads = cfg.policy.generation.vllm_cfg.threads
+    env_p = {"OMP_NUM_THREADS": str(cfg.policy.threads)}
+    env_r = {"OMP_NUM_THREADS": str(threads)}
+    names = (f"fp8grpo-policy-{tag}", f"fp8grpo-rollout-{tag}")
+    policy = ray.remote(PolicyWorker).options(
+        name=names[0], num_cpus=pw.num_cpus, num_gpus=pw.num_gpus, runtime_env={"env_vars": env_p},
+        max_concurrency=1).remote(str(model_dir), cfg, run_dir=str(run_dir))
+    rollout = ray.remote(RolloutWorker).options(
+        name=names[1], num_cpus=rw.num_cpus, num_gpus=rw.num_gpus, runtime_env={"env_vars": env_r},
+        max_concurrency=1).remote(str(model_dir), rollout_config(cfg), run_dir=str(run_dir))
+    ray.get([policy.info.remote(), rollout.stats.remote()])
+    return Workers(names[0], names[1], policy, rollout)
+
+
+def stop_workers(workers: Workers | None) -> None:
+    import ray
+
+    if workers is None:
+        return
+    try:
+        ray.get(workers.rollout.shutdown.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - best effort before the kill
+        pass
+    for handle in (workers.rollout, workers.policy):
+        ray.kill(handle)
+
+
+def actor(name: str):
+    """The run's actor of that name (tasks use names, never handles passed through Prefect)."""
+    import ray
+
+    return ray.get_actor(name, namespace=NAMESPACE)
