@@ -137,7 +137,7 @@ def test_outlier_channels_blockwise_beats_tensorwise():
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("pow2", [False, True])
 def test_scaled_mm_matches_emulation_cpu(recipe, fmt, pow2):
-    x, w, dy = _problem(t=96, k=200, n=72, seed=4)  # K, N not multiples of 128 (or 16 for N=72 after... chunks)
+    x, w, dy = _problem(t=96, k=200, n=72, seed=4)  # K=200: two 128-chunks, the second partial; N=72 padded to 80
     b = torch.randn(72)
     kw = dict(recipe=recipe, fmt=fmt, pow2_weight=pow2, pow2_activation=pow2)
     emu = _run(x, w, dy, bias=b, backend="emulated", **kw)

@@ -235,11 +235,12 @@ def test_edge_subnormal_inputs():
 
 
 def test_edge_fp8_subnormal_range():
-    # a value 2**-12 of the group amax lands in E4M3's subnormal range (min normal 2**-6 * 448/448 ...)
-    x = torch.tensor([448.0, 448.0 * 2**-8, 448.0 * 2**-12, 448.0 * 2**-20])
+    """With scale 1: E4M3 normals start at 2**-6; below, subnormals are multiples of 2**-9 with ties to even."""
+    x = torch.tensor([448.0, 448 * 2**-12, 448 * 2**-16, 2**-9, 3 * 2**-10, 448 * 2**-20])
     q = quantize(x, "tensorwise")
     assert q.scale.item() == 1.0
-    assert q.data.float().tolist() == [448.0, 1.75, 0.109375, 0.0]  # 1.75 = 2**-9*896 rounded; 2**-20*448 -> 0
+    # 0.109375 normal; 448*2**-16 = 3.5 * 2**-9 -> 4 * 2**-9 (even); 2**-9 kept; 1.5 * 2**-9 -> 2 * 2**-9; tiny -> 0
+    assert q.data.float().tolist() == [448.0, 0.109375, 0.0078125, 0.001953125, 0.00390625, 0.0]
 
 
 def test_edge_fp32_max_is_finite():
