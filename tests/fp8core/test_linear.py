@@ -5,6 +5,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from fp8core.linear import (
@@ -218,3 +220,17 @@ def test_fp8linear_module_switch_and_state_dict():
     no_bias = FP8Linear(128, 64, bias=False)
     no_bias(torch.randn(3, 128, requires_grad=True)).sum().backward()
     assert no_bias.weight.grad is not None
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 150), k=st.integers(1, 300), n=st.integers(1, 150),
+       pair=st.sampled_from([("group128", "block128"), ("group128", "group128"), ("rowwise", "rowwise"),
+                             ("tensorwise", "tensorwise")]),
+       fmt_a=st.sampled_from(["e4m3", "e5m2"]), seed=st.integers(0, 2**16))
+def test_property_scaled_mm_equals_emulation(m, k, n, pair, fmt_a, seed):
+    g = torch.Generator().manual_seed(seed)
+    qa = quantize(torch.randn(m, k, generator=g), pair[0], fmt=fmt_a)
+    qb = quantize(torch.randn(n, k, generator=g), pair[1])
+    emu, smm = fp8_mm(qa, qb, backend="emulated"), fp8_mm(qa, qb, backend="scaled_mm")
+    scale = emu.abs().max().item() + 1e-30
+    assert smm.shape == (m, n) and (emu - smm).abs().max().item() <= 1e-5 * scale
