@@ -157,7 +157,6 @@ class GrpoCfg:
     val_at_start: bool = True
     max_val_samples: int = 64
     val_batch_size: int = 64
-    val_temperature: float = 0.0
     seed: int = 0
 
 

@@ -16,6 +16,7 @@ from workers.cluster import actor
 from workers.math_task import reward as math_reward
 
 TASK = dict(cache_policy=NO_CACHE, log_prints=False)
+VAL_TEMPERATURE = 0.01  # near-greedy: vLLM clamps smaller temperatures to 0.01 and the worker rejects 0
 
 
 @lru_cache(maxsize=4)
@@ -97,11 +98,11 @@ def calibrate(ctx: dict, ref: ray.ObjectRef, step: int) -> dict:
 
 @task(name="validate", **TASK, retries=1)
 def validate(ctx: dict, rows: list[dict], step: int, *, num_samples_to_keep: int = 4) -> dict:
-    """Greedy decoding of the validation prompts on the current policy weights (refit first) -> accuracy."""
+    """Near-greedy decoding (T=0.01, fixed seed) of the validation prompts on the current policy weights (refit first) -> accuracy."""
     t0 = time.perf_counter()
     refit.fn(ctx)
     outs = ray.get(actor(ctx["rollout"]).generate.remote(
-        prompts_for(ctx["model_dir"], rows), n=1, max_tokens=ctx["gen"]["max_tokens"], temperature=1e-6, seed=0))
+        prompts_for(ctx["model_dir"], rows), n=1, max_tokens=ctx["gen"]["max_tokens"], temperature=VAL_TEMPERATURE, seed=0))
     texts = [o["samples"][0]["text"] for o in outs]
     correct = [math_reward(t, r["answer"]) for t, r in zip(texts, rows, strict=True)]
     lengths = [len(o["samples"][0]["token_ids"]) for o in outs]

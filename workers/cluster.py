@@ -30,7 +30,9 @@ def cache_env(run_dir: Path) -> dict[str, str]:
     }
     fixed = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
              "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled", "DO_NOT_TRACK": "1",
-             "VLLM_NO_USAGE_STATS": "1", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}
+             "VLLM_NO_USAGE_STATS": "1", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
+             "VLLM_LOGGING_LEVEL": "ERROR", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+             "TRANSFORMERS_VERBOSITY": "error", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     return {**env, **fixed}
 
 
@@ -61,14 +63,14 @@ def init_ray(cfg: Config, run_dir: Path) -> bool:
     if ray.is_initialized():
         return False
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=True)
+        ray.init(address=cfg.ray.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
         return True
     need = cfg.ray.policy_worker.num_cpus + cfg.ray.rollout_worker.num_cpus
     num_cpus = cfg.ray.num_cpus or max(int(need + 0.999), os.cpu_count() or 1)
     tmp = ray_temp_dir(run_dir)
     Path(tmp).mkdir(parents=True, exist_ok=True)
     ray.init(num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False, _temp_dir=tmp,
-             _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=True)
+             _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=False)
     return True
 
 
