@@ -1,0 +1,225 @@
+"""The fp8core_block vLLM quantization method: layer selection, numerics identical to the trainer's FP8Linear,
+FP8 weights held by the engine after refit bit-identical to fp8core.quantize, FP8 KV cache with applied scales."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8core.linear import FP8Linear, FP8LinearConfig
+from fp8core.quant import quantize
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "runs" / "test-env" / "models"
+FIRST_BF16 = 1
+POW2_W = True
+
+pytestmark = pytest.mark.slow  # imports vLLM (~10 s)
+
+
+@pytest.fixture
+def single_rank(monkeypatch):
+    """vLLM parameters record their tensor-parallel rank; outside an engine there is no TP group: rank 0 of 1."""
+    import vllm.model_executor.parameter as vparam
+
+    monkeypatch.setattr(vparam, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(vparam, "get_tensor_model_parallel_world_size", lambda: 1)
+
+
+def _layer(widths, k, pow2_w=False, pow2_a=False):
+    from workers.vllm_fp8 import Fp8CoreBlockConfig, Fp8CoreBlockLinearMethod
+
+    cfg = Fp8CoreBlockConfig(num_hidden_layers=2, pow2_weight_scaling_factors=pow2_w,
+                             pow2_activation_scaling_factors=pow2_a)
+    method = Fp8CoreBlockLinearMethod(cfg)
+    layer = torch.nn.Module()
+    method.create_weights(layer, k, list(widths), k, sum(widths), torch.bfloat16, weight_loader=None)
+    return method, layer
+
+
+@pytest.mark.parametrize("widths,k,pow2", [((256, 128, 128), 256, False), ((200, 72), 300, True)])
+def test_apply_is_bit_identical_to_trainer_fp8linear(widths, k, pow2, single_rank):
+    """A fused layer (e.g. qkv_proj with partitions q/k/v) gives exactly the trainer's separate FP8Linear outputs,
+    also for partitions and K that are not multiples of 128."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16) for n in widths]
+    method, layer = _layer(widths, k, pow2_w=pow2, pow2_a=pow2)
+    layer.weight.data.copy_(torch.cat(weights))
+    method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_block_size == [128, 128]
+    x = (torch.randn(5, k, generator=gen) * 3).to(torch.bfloat16)
+    y = method.apply(layer, x)
+    cfg = FP8LinearConfig(pow2_weight=pow2, pow2_activation=pow2)
+    expected = []
+    for w in weights:
+        lin = FP8Linear(k, w.shape[0], bias=False, dtype=torch.bfloat16, config=cfg)
+        lin.weight.data.copy_(w)
+        with torch.no_grad():
+            expected.append(lin(x))
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, torch.cat(expected, dim=-1))
+
+
+def test_layer_selection_follows_fp8_layer_indices():
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from workers.vllm_fp8 import Fp8CoreBlockConfig, Fp8CoreBlockLinearMethod, quantization_config_dict
+
+    cfg = Fp8CoreBlockConfig.from_config(quantization_config_dict(num_hidden_layers=6, num_first_layers_in_bf16=1,
+                                                                  num_last_layers_in_bf16=2))
+    assert sorted(cfg.fp8_layers) == [1, 2, 3]
+
+    class FakeLinear(torch.nn.Module):
+        pass
+
+    from vllm.model_executor.layers.linear import LinearBase
+
+    lin = FakeLinear.__new__(LinearBase)  # isinstance check only; no vLLM config needed
+    kinds = {i: type(cfg.get_quant_method(lin, f"model.layers.{i}.self_attn.qkv_proj")) for i in range(6)}
+    assert kinds == {0: UnquantizedLinearMethod, 1: Fp8CoreBlockLinearMethod, 2: Fp8CoreBlockLinearMethod,
+                     3: Fp8CoreBlockLinearMethod, 4: UnquantizedLinearMethod, 5: UnquantizedLinearMethod}
+    assert cfg.get_quant_method(torch.nn.Embedding(2, 2), "lm_head") is None
+    with pytest.raises(ValueError, match="exceeds"):
+        quantization_config_dict(num_hidden_layers=2, num_first_layers_in_bf16=2, num_last_layers_in_bf16=1)
+    with pytest.raises(ValueError, match="unknown keys.*bogus"):
+        Fp8CoreBlockConfig.from_config({"num_hidden_layers": 2, "bogus": 1})
+
+
+# ------------------------------------------------------------------------------------------- engine tests
+@pytest.fixture(scope="module")
+def model_dir():
+    from workers.mismatch import quick_sft_model
+
+    return quick_sft_model(MODELS)
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir, tmp_path_factory):
+    from workers.rollout import RolloutConfig, RolloutWorker
+
+    cfg = RolloutConfig(precision="fp8", kv_cache_dtype="fp8", num_first_layers_in_bf16=FIRST_BF16,
+                        pow2_weight_scaling_factors=POW2_W, kv_cache_memory_bytes=16 << 20, max_model_len=256)
+    w = RolloutWorker(model_dir, cfg, run_dir=tmp_path_factory.mktemp("fp8-run"))
+    yield w
+    w.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(model_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def prompts(worker):
+    import random
+
+    from workers.math_task import make_problem
+    from workers.tiny_model import chat_prompt
+
+    rng = random.Random(0)
+    return [chat_prompt(worker.tokenizer, make_problem(rng)["question"]) for _ in range(6)]
+
+
+def _fp8_trainer(model_dir, state_dict=None):
+    from workers.mismatch import load_trainer_model
+
+    model = load_trainer_model(model_dir, fp8=True, num_first_layers_in_bf16=FIRST_BF16, pow2_weight=POW2_W)
+    if state_dict is not None:
+        model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state_dict.items()})
+    return model
+
+
+def _error(model, results) -> float:
+    from workers.mismatch import flatten_results, mismatch, trainer_logprobs
+
+    ps, rs, lps = flatten_results(results)
+    return mismatch(trainer_logprobs(model, ps, rs), lps)["mismatch/token_mult_prob_error"]
+
+
+def _engine_weights(worker) -> dict:
+    def grab(model):
+        return {name: (m.weight.data.clone(), getattr(m, "weight_scale_inv", None), list(getattr(m, "logical_widths",
+                                                                                                  [])))
+                for name, m in model.named_modules() if name.endswith(("qkv_proj", "o_proj", "gate_up_proj",
+                                                                       "down_proj"))}
+
+    return worker.llm.apply_model(grab)[0]
+
+
+_FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o_proj": ("self_attn", ("o_proj",)),
+          "gate_up_proj": ("mlp", ("gate_proj", "up_proj")), "down_proj": ("mlp", ("down_proj",))}
+
+
+def test_refit_fp8_weights_bit_identical_to_fp8core_quantize(worker, checkpoint):
+    gen = torch.Generator().manual_seed(1)
+    new = {k: v.float() + 0.01 * torch.randn(v.shape, generator=gen) for k, v in checkpoint.items()}  # FP32 masters
+    try:
+        worker.refit(new)
+        held = _engine_weights(worker)
+        checked = 0
+        for name, (data, scale, _) in held.items():
+            layer = int(name.split(".")[2])
+            if layer < FIRST_BF16:
+                assert data.dtype != torch.float8_e4m3fn and scale is None, name
+                continue
+            assert data.dtype == torch.float8_e4m3fn, name
+            kind = name.rsplit(".", 1)[1]
+            sub, parts = _FUSED[kind]
+            row = srow = 0
+            for part in parts:
+                q = quantize(new[f"model.layers.{layer}.{sub}.{part}.weight"], "block128", fmt="e4m3", pow2=POW2_W)
+                n, nb = q.data.shape[0], q.scale.shape[0]
+                assert torch.equal(data[row:row + n].view(torch.uint8), q.data.view(torch.uint8)), (name, part)
+                assert torch.equal(scale[srow:srow + nb], q.scale), (name, part)
+                assert bool((torch.log2(q.scale) == torch.round(torch.log2(q.scale))).all())  # pow2 honoured
+                row, srow, checked = row + n, srow + nb, checked + 1
+            assert row == data.shape[0]
+        assert checked == 7 * (4 - FIRST_BF16)
+    finally:
+        worker.refit(checkpoint)
+
+
+def test_fp8_engine_matches_fp8_trainer_after_refit(worker, model_dir, checkpoint, prompts):
+    from workers.mismatch import calibrate_kv_scales, flatten_results
+
+    old = _fp8_trainer(model_dir)
+    ps, rs, _ = flatten_results(worker.generate(prompts, n=2, max_tokens=24, seed=0))
+    worker.set_kv_scales(calibrate_kv_scales(old, ps, rs))
+    before = _error(old, worker.generate(prompts, n=4, max_tokens=24, seed=1))
+    gen = torch.Generator().manual_seed(2)
+    new = {k: v.float() + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen) if v.dim() > 1 else v.float()
+           for k, v in checkpoint.items()}
+    try:
+        seconds = worker.refit(new)
+        after = worker.generate(prompts, n=4, max_tokens=24, seed=1)
+        err_new, err_old = _error(_fp8_trainer(model_dir, new), after), _error(old, after)
+        print(f"fp8 refit {seconds * 1e3:.1f} ms; vs FP8 trainer: before refit {before:.4f}, after refit vs new "
+              f"{err_new:.4f}, vs old {err_old:.4f}")
+        assert before < 1.05 and err_new < 1.05
+        assert err_old > err_new + 0.1
+    finally:
+        worker.refit(checkpoint)
+
+
+def test_kv_scales_change_and_restore_logprobs(worker, model_dir, prompts):
+    """CPU FP8 KV cache reads the per-layer float scales: wrong scales (100: values collapse to a few FP8 codes;
+    1e-3: saturation at 448 * 1e-3) wreck the logprobs, the calibrated ones give them back exactly."""
+    from workers.mismatch import calibrate_kv_scales, flatten_results
+
+    trainer = _fp8_trainer(model_dir)
+    ps, rs, _ = flatten_results(worker.generate(prompts, n=2, max_tokens=24, seed=0))
+    calibrated = calibrate_kv_scales(trainer, ps, rs)
+    errors = {}
+    outs = {}
+    for label, scales in (("calibrated", calibrated), ("x100", {"k_scale": [100.0] * 4, "v_scale": [100.0] * 4}),
+                          ("1e-3", {"k_scale": [1e-3] * 4, "v_scale": [1e-3] * 4}), ("calibrated again", calibrated)):
+        worker.set_kv_scales(scales)
+        outs[label] = worker.generate(prompts, n=4, max_tokens=24, seed=5)
+        errors[label] = _error(trainer, outs[label])
+    print("KV scales -> token_mult_prob_error vs FP8 trainer:", {k: round(v, 4) for k, v in errors.items()})
+    assert errors["calibrated"] < 1.05
+    for wrong in ("x100", "1e-3"):  # measured: calibrated 1.012, x100 1.066, 1e-3 1.31
+        assert errors[wrong] - 1 > 3 * (errors["calibrated"] - 1), wrong
+    assert outs["calibrated again"] == outs["calibrated"]
+    assert worker.get_kv_scales()["k_scale"] == calibrated["k_scale"]
