@@ -205,3 +205,35 @@ def test_kv_scales_are_set_and_survive_refit(worker, checkpoint):
         assert {k: worker.get_kv_scales()[k] for k in scales} == scales
     finally:
         worker.set_kv_scales({"k_scale": [1.0] * 4, "v_scale": [1.0] * 4})
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_worker_as_ray_actor(model_dir, checkpoint, prompts, tmp_path):
+    """The pipeline wraps the class with ray.remote: construction, generate, refit and stats work across the actor
+    boundary (own process, 2 threads), and a bad refit comes back as a ValueError with the engine still usable."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = ray.remote(RolloutWorker).options(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "2"}}) \
+            .remote(str(model_dir), RolloutConfig(kv_cache_memory_bytes=8 << 20, max_model_len=128),
+                    run_dir=str(tmp_path))
+        out = ray.get(actor.generate.remote(prompts, n=2, max_tokens=8, seed=1), timeout=300)
+        assert len(out) == 2 and len(out[0]["samples"]) == 2
+        seconds = ray.get(actor.refit.remote(ray.put(checkpoint)), timeout=120)
+        print(f"refit in the Ray actor: {seconds * 1e3:.1f} ms")
+        with pytest.raises(ValueError, match="lacks"):
+            try:
+                ray.get(actor.refit.remote({"lm_head.weight": checkpoint["lm_head.weight"]}), timeout=60)
+            except ray.exceptions.RayTaskError as e:
+                raise e.as_instanceof_cause() from None
+        again = ray.get(actor.generate.remote(prompts, n=2, max_tokens=8, seed=1), timeout=120)
+        assert again == out  # same weights, same seed -> same samples, after refit and a rejected refit
+        assert ray.get(actor.stats.remote())["kv_capacity_tokens"] == 4096
+        ray.get(actor.shutdown.remote(), timeout=60)
+    finally:
+        if started:
+            ray.shutdown()
