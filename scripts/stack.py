@@ -21,6 +21,7 @@ MLflow because tasks/tracking.py logs the resolved config only, and recipes hold
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import signal
@@ -206,7 +207,7 @@ def _http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
             return 200 <= r.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return False
 
 
@@ -216,6 +217,10 @@ def _post_json(url: str, body: dict, timeout: float = 5.0):
         return json.loads(r.read())
 
 
+class ServiceExited(SystemExit):
+    """A service died while starting (e.g. its port was taken between choosing and binding it)."""
+
+
 def _wait(what: str, check, timeout: float, run_dir: Path, name: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -223,7 +228,7 @@ def _wait(what: str, check, timeout: float, run_dir: Path, name: str) -> None:
             return
         rec = _read_pid(run_dir, name)
         if rec and not _alive(*rec):
-            raise SystemExit(f"stack: {what} exited during start; see {run_dir / 'logs' / (name + '.log')}")
+            raise ServiceExited(f"stack: {what} exited during start; see {run_dir / 'logs' / (name + '.log')}")
         time.sleep(0.5)
     raise SystemExit(f"stack: {what} not ready after {timeout:.0f}s; see {run_dir / 'logs' / (name + '.log')}")
 
@@ -270,6 +275,35 @@ def service_status(run_dir: Path) -> dict[str, dict]:
     return out
 
 
+def _choose_ports(args, run_dir: Path, store: str) -> dict:
+    ports = {}
+    for key, port in (("prefect_port", args.prefect_port), ("mlflow_port", args.mlflow_port)):
+        if port == 0:
+            port = free_port()
+        elif not _port_free(port):
+            raise SystemExit(f"stack: --{key.replace('_', '-')} {port} is in use on 127.0.0.1; pick another "
+                             f"(0 = any free port)")
+        ports[key] = port
+    state = {"run_dir": str(run_dir), **ports,
+             "prefect_api_url": f"http://127.0.0.1:{ports['prefect_port']}/api",
+             "prefect_ui_url": f"http://127.0.0.1:{ports['prefect_port']}",
+             "mlflow_url": f"http://127.0.0.1:{ports['mlflow_port']}", "mlflow_backend_store_uri": store,
+             "work_pool": POOL, "started": time.time()}
+    (run_dir / "stack.json").write_text(json.dumps(state, indent=1))
+    return state
+
+
+def _bind_failed(run_dir: Path) -> bool:
+    for name in ("mlflow", "prefect-server"):
+        try:
+            tail = (run_dir / "logs" / f"{name}.log").read_text(errors="replace")[-4000:].lower()
+        except OSError:
+            continue
+        if "address already in use" in tail or "port is already in use" in tail or "errno 98" in tail:
+            return True
+    return False
+
+
 def cmd_start(args) -> int:
     run_dir = args.run_dir
     st = service_status(run_dir)
@@ -280,33 +314,33 @@ def cmd_start(args) -> int:
         raise SystemExit(f"stack: partly running in {run_dir}: {st}; run `scripts/stack stop` first")
     for sub in ("pids", "logs", "prefect", "cache"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
-    ports = {}
-    for key, port in (("prefect_port", args.prefect_port), ("mlflow_port", args.mlflow_port)):
-        if port == 0:
-            port = free_port()
-        elif not _port_free(port):
-            raise SystemExit(f"stack: --{key.replace('_', '-')} {port} is in use on 127.0.0.1; pick another "
-                             f"(0 = any free port)")
-        ports[key] = port
     store = args.backend_store_uri or f"sqlite:///{run_dir / 'mlflow.db'}"
-    state = {"run_dir": str(run_dir), **ports,
-             "prefect_api_url": f"http://127.0.0.1:{ports['prefect_port']}/api",
-             "prefect_ui_url": f"http://127.0.0.1:{ports['prefect_port']}",
-             "mlflow_url": f"http://127.0.0.1:{ports['mlflow_port']}", "mlflow_backend_store_uri": store,
-             "work_pool": POOL, "started": time.time()}
-    (run_dir / "stack.json").write_text(json.dumps(state, indent=1))
-    env = stack_env(run_dir, state)
     py = sys.executable
     t0 = time.monotonic()
     try:
-        _spawn("mlflow", [py, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(ports["mlflow_port"]),
-                          "--workers", "1", "--backend-store-uri", store,
-                          "--artifacts-destination", str(run_dir / "mlartifacts"), "--serve-artifacts"], env, run_dir)
-        _spawn("prefect-server", [py, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                  "--port", str(ports["prefect_port"])], env, run_dir)
-        _wait("Prefect server", lambda: _http_ok(f"{state['prefect_api_url']}/health"), args.timeout, run_dir,
-              "prefect-server")
-        print(f"stack: Prefect server up at {state['prefect_ui_url']} ({time.monotonic() - t0:.0f}s)", flush=True)
+        for attempt in range(3):  # auto ports (0) can be taken by another process before the server binds them
+            state = _choose_ports(args, run_dir, store)
+            env = stack_env(run_dir, state)
+            _spawn("mlflow", [py, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port",
+                              str(state["mlflow_port"]), "--workers", "1", "--backend-store-uri", store,
+                              "--artifacts-destination", str(run_dir / "mlartifacts"), "--serve-artifacts"],
+                   env, run_dir)
+            _spawn("prefect-server", [py, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                      "--port", str(state["prefect_port"])], env, run_dir)
+            try:
+                _wait("Prefect server", lambda st=state: _http_ok(f"{st['prefect_api_url']}/health"), args.timeout,
+                      run_dir, "prefect-server")
+                _wait("MLflow server", lambda st=state: _http_ok(f"{st['mlflow_url']}/health"), args.timeout,
+                      run_dir, "mlflow")
+                break
+            except ServiceExited:
+                auto = args.prefect_port == 0 or args.mlflow_port == 0
+                if attempt == 2 or not auto or not _bind_failed(run_dir):
+                    raise
+                print("stack: a port was taken while starting; retrying with other free ports", flush=True)
+                for name in ("prefect-server", "mlflow"):
+                    stop_service(run_dir, name, 15)
+        print(f"stack: Prefect server and MLflow server up ({time.monotonic() - t0:.0f}s)", flush=True)
         _run([py, "-m", "prefect", "--no-prompt", "work-pool", "create", POOL, "--type", "process", "--overwrite"],
              env, run_dir, "deploy")
         _spawn("worker", [py, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process",
@@ -314,7 +348,6 @@ def cmd_start(args) -> int:
         _run([py, "-m", "prefect", "--no-prompt", "deploy", "--all"], env, run_dir, "deploy")
         print(f"stack: work pool {POOL} + deployments created ({time.monotonic() - t0:.0f}s)", flush=True)
         _wait("Prefect worker", lambda: _worker_online(state), args.timeout, run_dir, "worker")
-        _wait("MLflow server", lambda: _http_ok(f"{state['mlflow_url']}/health"), args.timeout, run_dir, "mlflow")
     except BaseException:
         print("stack: start failed; stopping what was started", file=sys.stderr)
         for name in reversed(SERVICES):

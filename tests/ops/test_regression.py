@@ -1,0 +1,138 @@
+"""The nightly FP8-vs-BF16 regression: verdict rules on hand-made summaries (fast), bad parameters rejected before any
+training (fast), and (e2e) the nightly deployment on a 2-step override producing the MLflow parent run, two child runs,
+the comparison plot and the verdict — with a mismatch threshold no FP8 run can meet, so the flow run must fail."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from _ops import PREFECT, ROOT, TINY, run_logged
+
+from tasks.regression import verdict
+
+BF16 = {"val_accuracy_end": 0.40, "mean_token_mult_prob_error": 1.004, "mean_step_s": 10.0,
+        "mean_rollout_tokens_per_s": 2000.0, "mean_train_tokens_per_s": 800.0}
+FP8 = {"val_accuracy_end": 0.375, "mean_token_mult_prob_error": 1.03, "mean_step_s": 20.0,
+       "mean_rollout_tokens_per_s": 1500.0, "mean_train_tokens_per_s": 200.0}
+LENIENT = dict(max_accuracy_drop=0.05, max_token_mult_prob_error=1.10, min_throughput_ratio=0.25)
+
+
+def _by_name(v):
+    return {c["name"]: c for c in v["checks"]}
+
+
+def test_verdict_passes_within_thresholds():
+    v = verdict(BF16, FP8, **LENIENT)
+    c = _by_name(v)
+    assert v["passed"]
+    assert c["accuracy_drop"]["value"] == pytest.approx(0.025)
+    assert c["token_mult_prob_error"]["value"] == pytest.approx(1.03)
+    assert c["throughput_ratio"]["value"] == pytest.approx(0.5)  # 10 s / 20 s per step, same samples per step
+    assert v["info"]["train_tokens_per_s_ratio"] == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("change, failed", [
+    (dict(max_accuracy_drop=0.02), "accuracy_drop"),
+    (dict(max_token_mult_prob_error=1.02), "token_mult_prob_error"),
+    (dict(min_throughput_ratio=0.6), "throughput_ratio"),
+])
+def test_verdict_fails_each_threshold(change, failed):
+    v = verdict(BF16, FP8, **{**LENIENT, **change})
+    assert not v["passed"]
+    assert [c["name"] for c in v["checks"] if not c["passed"]] == [failed]
+
+
+def test_verdict_fails_on_missing_or_nonfinite_values():
+    v = verdict(BF16, {**FP8, "mean_token_mult_prob_error": float("nan"), "val_accuracy_end": None}, **LENIENT)
+    c = _by_name(v)
+    assert not v["passed"] and c["token_mult_prob_error"]["value"] is None and not c["accuracy_drop"]["passed"]
+    assert c["throughput_ratio"]["passed"]
+
+
+def test_fp8_better_than_bf16_passes():
+    v = verdict(BF16, {**FP8, "val_accuracy_end": 0.6, "mean_step_s": 5.0}, **LENIENT)
+    assert v["passed"] and _by_name(v)["accuracy_drop"]["value"] == pytest.approx(-0.2)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(max_token_mult_prob_error=0.99), "max_token_mult_prob_error"),
+    (dict(max_accuracy_drop=-0.1), "max_accuracy_drop"),
+    (dict(min_throughput_ratio=0.0), "min_throughput_ratio"),
+    (dict(overrides=["grpo.no_such_key=1"]), "grpo.no_such_key"),
+    (dict(fp8_recipe="configs/tiny_bf16.yaml"), "fp8_recipe"),
+])
+def test_bad_parameters_fail_before_training(kwargs, needle, tmp_path):
+    """Thresholds that can never pass, unknown keys and a non-FP8 'FP8' recipe fail at once, naming the parameter."""
+    from flows.regression import _check_thresholds, _same_seed_and_steps
+
+    th = dict(LENIENT)
+    th.update({k: v for k, v in kwargs.items() if k in th})
+    with pytest.raises(ValueError, match=needle):
+        _check_thresholds(**th)
+        _same_seed_and_steps("configs/tiny_bf16.yaml", kwargs.get("fp8_recipe", "configs/tiny_fp8_e2e.yaml"),
+                             kwargs.get("overrides", []))
+
+
+def test_different_seeds_are_rejected(tmp_path):
+    from flows.regression import _same_seed_and_steps
+
+    base = (ROOT / "configs" / "tiny_fp8_e2e.yaml").resolve()
+    fp8 = tmp_path / "fp8_other_seed.yaml"
+    fp8.write_text(f"defaults: {base}\ngrpo:\n  seed: 7\n")
+    with pytest.raises(ValueError, match="grpo.seed"):
+        _same_seed_and_steps("configs/tiny_bf16.yaml", str(fp8), [])
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_nightly_deployment_parent_children_plot_verdict(stack, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    tag = uuid.uuid4().hex[:8]
+    experiment = f"ops-regression-{tag}"
+    params = {"overrides": TINY, "experiment_name": experiment, "run_dir": str(tmp_path / "regression"),
+              "max_token_mult_prob_error": 1.0}  # exp(|d|) >= 1 with equality only without any mismatch: must fail
+    flow_run_name = f"ops-regression-{tag}"
+    r = run_logged([PREFECT, "deployment", "run",
+                    "fp8-grpo-regression/nightly-regression", "--params", json.dumps(params),
+                    "--flow-run-name", flow_run_name, "--watch", "--watch-timeout", "600"],
+                   env=stack["env"], timeout=660)
+    assert r.returncode == 1, "the flow run must fail when the verdict fails"
+    from _ops import rest
+
+    fr = rest(f"{stack['prefect_api_url']}/flow_runs/filter", {"flow_runs": {"name": {"any_": [flow_run_name]}}})
+    assert len(fr) == 1 and fr[0]["state_type"] == "FAILED", fr
+    assert "regression failed" in (fr[0]["state"].get("message") or "").lower() or "RegressionFailed" in json.dumps(
+        rest(f"{stack['prefect_api_url']}/logs/filter", {"logs": {"flow_run_id": {"any_": [fr[0]["id"]]}}}))
+    arts = rest(f"{stack['prefect_api_url']}/artifacts/filter",
+                {"artifacts": {"flow_run_id": {"any_": [fr[0]["id"]]}, "key": {"any_": ["fp8-vs-bf16-verdict"]}}})
+    assert len(arts) == 1 and "FAIL" in arts[0]["data"]
+
+    c = MlflowClient(tracking_uri=stack["mlflow_url"])
+    exp = c.get_experiment_by_name(experiment)
+    runs = c.search_runs([exp.experiment_id])
+    parents = [x for x in runs if x.data.tags.get("kind") == "regression"]
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.status == "FAILED" and parent.data.tags["verdict"] == "fail"
+    children = [x for x in runs if x.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(x.data.tags["regression.role"] for x in children) == ["bf16", "fp8"]
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert "mismatch/token_mult_prob_error" in child.data.metrics and "val/accuracy" in child.data.metrics
+        assert child.data.params["grpo.seed"] == parents[0].data.params["grpo.seed"]
+        assert child.data.params["grpo.max_num_steps"] == "2"
+    roles = {x.data.tags["regression.role"]: x for x in children}
+    assert roles["fp8"].data.tags["precision"] == "fp8-e2e" and roles["bf16"].data.tags["precision"] == "bf16"
+    files = {a.path for a in c.list_artifacts(parent.info.run_id)}
+    assert {"comparison.png", "verdict.json", "verdict.md"} <= files
+    png = c.download_artifacts(parent.info.run_id, "comparison.png", str(tmp_path))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    v = json.loads(open(c.download_artifacts(parent.info.run_id, "verdict.json", str(tmp_path))).read())
+    checks = {ch["name"]: ch for ch in v["checks"]}
+    assert not v["passed"] and not checks["token_mult_prob_error"]["passed"]
+    assert checks["token_mult_prob_error"]["value"] > 1.0
+    assert checks["accuracy_drop"]["value"] is not None and checks["throughput_ratio"]["value"] > 0
+    assert parent.data.metrics["regression/passed"] == 0.0
