@@ -33,13 +33,17 @@ _TEMPLATES = [
 SYSTEM_PROMPT = "Solve the problem. End with: The answer is \\boxed{N}."
 
 
-def make_problem(rng: random.Random) -> dict:
-    """One problem: question text, integer answer (as a string) and a worked solution used by the SFT bootstrap."""
+def make_problem(rng: random.Random, *, max_operand: int = 20) -> dict:
+    """One problem: question text, integer answer (as a string) and a worked solution used by the SFT bootstrap.
+
+    Operands of + and - lie in [1, max_operand]; products use factors 2..9 (sized so that a ~3M-parameter model gets
+    a minority of answers right after a short SFT, leaving room for RL).
+    """
     text, op = rng.choice(_TEMPLATES)
     if op == "*":
-        a, b = rng.randint(2, 12), rng.randint(2, 9)
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
     else:
-        a, b = rng.randint(2, 99), rng.randint(1, 99)
+        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
         if op == "-" and b > a:
             a, b = b, a
     x, y = rng.sample(_NAMES, 2)
@@ -49,7 +53,8 @@ def make_problem(rng: random.Random) -> dict:
     return {"question": question, "answer": str(value), "solution": solution}
 
 
-def generate_splits(out_dir: str | Path, *, n_train: int = 4000, n_validation: int = 200, seed: int = 0) -> dict[str, Path]:
+def generate_splits(out_dir: str | Path, *, n_train: int = 4000, n_validation: int = 200, seed: int = 0,
+                    max_operand: int = 20) -> dict[str, Path]:
     """Write ``train.jsonl`` and ``validation.jsonl`` (columns question / answer / solution) and return their paths.
 
     Validation questions never appear in train (deduplicated on the question text).
@@ -63,7 +68,7 @@ def generate_splits(out_dir: str | Path, *, n_train: int = 4000, n_validation: i
     for name, count in splits.items():
         rows = []
         while len(rows) < count:
-            row = make_problem(rng)
+            row = make_problem(rng, max_operand=max_operand)
             if row["question"] in seen:
                 continue
             seen.add(row["question"])

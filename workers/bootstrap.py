@@ -1,0 +1,136 @@
+"""Embedded-default assets: synthetic data splits + tiny Qwen3 + a short supervised (SFT) warm start, cached on disk.
+
+RL needs signal: a randomly initialised model never writes a correct answer, so every GRPO group would have equal
+rewards and zero advantages. ``sft_bootstrap`` teaches the answer format and some arithmetic on the train split
+(loss on the assistant tokens only), deliberately short so validation accuracy stays well below 100% and RL has room
+to improve it.
+
+``ensure_default_assets(root)`` is idempotent: each artifact is written to a temporary name and renamed when complete,
+and a finished SFT model is reused when its recipe (steps, seed, lr, batch size) matches.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from workers.math_task import generate_splits, is_correct
+from workers.tiny_model import TinyModelSpec, build_tiny_model, chat_prompt
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps < 0 or self.batch_size < 1 or not self.lr > 0:
+            raise ValueError(f"bootstrap.sft: steps >= 0, batch_size >= 1 and lr > 0 required, got {self}")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _encode(tokenizer, row: dict) -> tuple[list[int], int]:
+    prompt_ids = tokenizer(chat_prompt(tokenizer, row["question"]), add_special_tokens=False).input_ids
+    target_ids = tokenizer(row["solution"] + tokenizer.eos_token, add_special_tokens=False).input_ids
+    return prompt_ids + target_ids, len(prompt_ids)
+
+
+def sft_bootstrap(model_dir: str | Path, train_path: str | Path, out_dir: str | Path, cfg: SFTConfig | None = None,
+                  *, log=print) -> Path:
+    """Supervised warm start of the model at ``model_dir`` on ``train_path``'s solutions; saves HF format to ``out_dir``."""
+    cfg = cfg or SFTConfig()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    rows = _read_jsonl(Path(train_path))
+    if not rows or "solution" not in rows[0]:
+        raise ValueError(f"{train_path}: SFT bootstrap needs rows with question/solution columns")
+    encoded = [_encode(tokenizer, r) for r in rows]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)) * max(0.05, 1 - s / max(1, cfg.steps)))
+    pad = tokenizer.pad_token_id
+    t0 = time.perf_counter()
+    for step in range(cfg.steps):
+        batch = rng.sample(encoded, min(cfg.batch_size, len(encoded)))
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (ids, n_prompt) in enumerate(batch):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, n_prompt: len(ids)] = torch.tensor(ids[n_prompt:])
+            attn[i, : len(ids)] = 1
+        loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == cfg.steps - 1:
+            log(f"sft step {step:4d}/{cfg.steps} loss {loss.item():.4f} ({time.perf_counter() - t0:.1f}s)")
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / ".complete").write_text(json.dumps(asdict(cfg)))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def greedy_accuracy(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int = 24, batch_size: int = 64) -> float:
+    """Greedy-decoding accuracy of an HF model on rows with question/answer (a quick check; RL validation uses vLLM)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    correct = 0
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i: i + batch_size]
+        enc = tokenizer([chat_prompt(tokenizer, r["question"]) for r in chunk], return_tensors="pt", padding=True,
+                        add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        correct += sum(is_correct(t, r["answer"]) for t, r in zip(texts, chunk, strict=True))
+    return correct / max(1, len(rows))
+
+
+def ensure_default_assets(root: str | Path, *, sft: SFTConfig | None = None, spec: TinyModelSpec | None = None,
+                          n_train: int = 4000, n_validation: int = 200, log=print) -> dict[str, Path]:
+    """Data splits + base tiny model + SFT warm start under ``root`` (reused when already complete)."""
+    root = Path(root)
+    sft = sft or SFTConfig()
+    spec = spec or TinyModelSpec()
+    data_dir = root / "data"
+    splits = {name: data_dir / f"{name}.jsonl" for name in ("train", "validation")}
+    if not all(p.exists() for p in splits.values()):
+        splits = generate_splits(data_dir, n_train=n_train, n_validation=n_validation, seed=spec.seed)
+    base = build_tiny_model(root / "tiny-qwen3-base", spec)
+    sft_dir = root / "tiny-qwen3-sft"
+    marker = sft_dir / ".complete"
+    if not (marker.exists() and json.loads(marker.read_text()) == asdict(sft)):
+        log(f"bootstrap: SFT warm start of {base} ({sft.steps} steps) -> {sft_dir}")
+        sft_bootstrap(base, splits["train"], sft_dir, sft, log=log)
+    return {"model_dir": sft_dir, "base_model_dir": base, "train": splits["train"], "validation": splits["validation"]}
