@@ -81,8 +81,23 @@ def generate_splits(out_dir: str | Path, *, n_train: int = 4000, n_validation: i
     return paths
 
 
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def boxed_contents(text: str) -> list[str]:
+    """Contents of every ``\\boxed{...}`` in order, with nested braces balanced (``\\boxed{\\frac{1}{2}}``)."""
+    found, start = [], text.find("\\boxed{")
+    while start != -1:
+        i = start + len("\\boxed{")
+        depth, j = 1, i
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        if depth:
+            break  # unbalanced: the response was cut off inside the box
+        found.append(text[i: j - 1])
+        start = text.find("\\boxed{", j)
+    return found
 
 
 def normalize_number(text: str) -> str | None:
@@ -107,7 +122,7 @@ def reference_answer(answer: str) -> str:
 
 def extract_answer(response: str) -> str | None:
     """The model's final answer: the last \\boxed{...}, else the last number in the response."""
-    boxed = _BOXED.findall(response)
+    boxed = boxed_contents(response)
     if not boxed:
         return normalize_number(response)
     candidate = boxed[-1].strip().strip("$").strip()
@@ -123,8 +138,12 @@ def is_correct(response: str, answer: str) -> bool:
     gold_num = normalize_number(gold) if _NUMBER.fullmatch(gold.replace(",", "").strip()) else None
     if gold_num is not None:
         return pred == gold_num
+    import logging
+
     from math_verify import parse, verify  # only for non-numeric answers: sympy import is slow
 
+    # Timeouts off: math-verify's are signal-based and fail outside the main thread (Ray actors, Prefect tasks).
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     return bool(verify(parse(f"${gold}$", parsing_timeout=None), parse(f"${pred}$", parsing_timeout=None),
                        timeout_seconds=None))
 
