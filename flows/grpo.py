@@ -4,7 +4,7 @@
 
 Order: load + validate the recipe (bad keys/types/combinations fail here) -> embedded assets (bootstrap subflow) when
 the recipe says ``embedded`` -> load the datasets (missing file/column fails here, before any worker starts) -> Ray
-(local on 127.0.0.1, or ``ray.address``) + the PolicyWorker and RolloutWorker actors -> resume from the latest
+(a local single-node Ray, or ``ray.address``) + the PolicyWorker and RolloutWorker actors -> resume from the latest
 complete checkpoint (``checkpointing.resume``: same MLflow run, step counter continues) -> validation at step 0 ->
 ``rl_step`` subflows, validation every ``grpo.val_period`` steps, checkpoints every ``checkpointing.save_period``
 steps and at the end -> summary + plot in MLflow; the terminal gets one line per step and, at the end, where the

@@ -1,5 +1,7 @@
-"""Ray runtime for a training run: a local Ray on 127.0.0.1 (temp dir under the run dir) or an existing cluster
-(``ray.address``), and the run's two named actors (PolicyWorker, RolloutWorker).
+"""Ray runtime for a training run: a local single-node Ray (temp dir under the run dir, dashboard off) or an existing
+cluster (``ray.address``), and the run's two named actors (PolicyWorker, RolloutWorker). Note: Ray 2.60 cannot be
+restricted to loopback from ``ray.init`` (it resolves 127.0.0.1 to the node IP; its gRPC ports listen on all
+interfaces); machines exposed to untrusted networks should keep Ray's token auth on (RAY_AUTH_MODE=token).
 
 Ray actors die when their last handle is dropped, so ``start_workers`` returns the handles and the flow keeps them
 for the whole run; Prefect tasks look actors up by name (``actor(name)``) and never receive handles, weights or
@@ -69,8 +71,10 @@ def init_ray(cfg: Config, run_dir: Path) -> bool:
     num_cpus = cfg.ray.num_cpus or max(int(need + 0.999), os.cpu_count() or 1)
     tmp = ray_temp_dir(run_dir)
     Path(tmp).mkdir(parents=True, exist_ok=True)
+    # No _node_ip_address="127.0.0.1": Ray 2.60 rewrites loopback to the node's IP (services.resolve_ip_for_localhost)
+    # and its gRPC servers listen on all interfaces whatever is passed; the dashboard is off.
     ray.init(num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False, _temp_dir=tmp,
-             _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=False)
+             logging_level="WARNING", log_to_driver=False)
     return True
 
 
