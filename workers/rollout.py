@@ -69,6 +69,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     max_num_seqs: int = 256
+    # Tokens per engine step. Chunked prefill is off (see _engine_kwargs), so this must be >= max_model_len.
+    max_num_batched_tokens: int = 8192
 
     def __post_init__(self):
         for key, allowed in (("precision", PRECISIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
@@ -85,9 +87,12 @@ class RolloutConfig:
                                                        or self.kv_cache_memory_bytes <= 0):
             raise ValueError(f"rollout.kv_cache_memory_bytes must be a positive int or None, "
                              f"got {self.kv_cache_memory_bytes!r}")
-        for key in ("max_model_len", "max_num_seqs"):
+        for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key} must be an int >= 1, got {getattr(self, key)!r}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_model_len={self.max_model_len} (chunked prefill is off)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -226,6 +231,11 @@ class RolloutWorker:
             model=str(self.model_dir), tokenizer=str(self.model_dir), dtype="bfloat16", seed=c.seed,
             max_model_len=c.max_model_len, enforce_eager=c.enforce_eager, max_num_seqs=c.max_num_seqs,
             logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+            # Chunked prefill off: vLLM 0.32 discards the token sampled for a partially prefilled request by rewinding
+            # its per-request generator (gpu_model_runner._bookkeeping_sync: gen.set_offset(...)), which a CPU
+            # torch.Generator does not support ("CPU Generator does not use offset") -- any seeded batch whose
+            # prompts exceed one step's token budget crashed the engine. Whole prompts per step avoid it.
+            enable_chunked_prefill=False, max_num_batched_tokens=c.max_num_batched_tokens,
         )
         if c.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes

@@ -237,3 +237,14 @@ def test_worker_as_ray_actor(model_dir, checkpoint, prompts, tmp_path):
     finally:
         if started:
             ray.shutdown()
+
+
+@pytest.mark.slow
+def test_seeded_batch_larger_than_one_step(worker):
+    """Regression: prompts beyond one step's token budget used to be chunk-prefilled, and vLLM 0.32 then rewinds the
+    per-request generator with set_offset, which CPU generators reject (engine crash). Chunked prefill is off."""
+    prompts = [[1 + (7 * i + j) % 200 for j in range(60)] for i in range(40)]  # 80 seqs x 60 prompt tokens > 4096
+    out = worker.generate(prompts, n=2, max_tokens=4, seed=0)
+    assert len(out) == 40 and all(len(s["token_ids"]) >= 1 for r in out for s in r["samples"])
+    with pytest.raises(ValueError, match="max_num_batched_tokens=100 must be >= max_model_len=256"):
+        RolloutConfig(max_num_batched_tokens=100, max_model_len=256)
