@@ -10,9 +10,18 @@ RECIPE=${RECIPE:-configs/tiny_fp8_e2e.yaml}
 T0=$SECONDS
 stamp() { printf '[%4ds] %s\n' "$((SECONDS - T0))" "$*"; }
 
-stamp "1/3 install (only what is missing): scripts/install.sh"
-bash scripts/install.sh
 PY=.venv/bin/python
+if [ -x "$PY" ] && "$PY" - <<'PY' 2>/dev/null
+import importlib.util, sys
+mods = ("torch", "vllm", "transformers", "prefect", "ray", "mlflow", "s3fs", "datasets", "fp8core", "flows")
+sys.exit(0 if all(importlib.util.find_spec(m) for m in mods) else 1)
+PY
+then
+  stamp "1/3 install: .venv already has everything (scripts/install.sh to re-check)"
+else
+  stamp "1/3 install (only what is missing): scripts/install.sh"
+  bash scripts/install.sh
+fi
 export PREFECT_HOME="${PREFECT_HOME:-$PWD/runs/.prefect}"
 export PREFECT_SERVER_MEMO_STORE_PATH="${PREFECT_SERVER_MEMO_STORE_PATH:-$PREFECT_HOME/memo_store.toml}"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 MLFLOW_DISABLE_TELEMETRY=true
