@@ -63,7 +63,7 @@ print(f"  accuracy     validation {s['val_accuracy_start']} -> {s['val_accuracy_
 if s.get("checkpoint"):
     print(f"  checkpoint   {s['checkpoint']}")
 if uri:
-    print(f"  MLflow run   {s['mlflow_run_id']} (experiment {s.get('mlflow_experiment_id')})")
+    print(f"  MLflow run   {s['mlflow_run_id']} (experiment \"fp8-grpo\" unless logger.mlflow.experiment_name says otherwise)")
     if uri.startswith("sqlite:"):
         print(f"  MLflow UI    .venv/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri {uri}"
               "   then open http://127.0.0.1:5000")
