@@ -11,7 +11,8 @@ The table of issue 3, on the tiny model (after a short SFT so the distribution i
     (c) FP8 rollout (linears)   / FP8 trainer (fp8core.convert.convert_to_fp8, same layers, same pow2 flags)
     (d) FP8 rollout + FP8 KV    / FP8 trainer (K/V scales: fp8core.rl.kv_calibration on the FP8 trainer)
 
-Print it with ``.venv/bin/python -m workers.mismatch`` (options: ``--help``).
+Print it with ``.venv/bin/python -m workers.mismatch`` (options: ``--help``); by default it uses the pipeline's SFT
+warm start cached under runs/assets (built there first if missing, as flows/bootstrap.py would).
 """
 from __future__ import annotations
 
@@ -228,7 +229,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description="Print the (a)-(d) train/inference mismatch table on the tiny model")
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "mismatch"))
     ap.add_argument("--model-dir", help="an HF model dir to use instead of building + SFT-ing the tiny model")
-    ap.add_argument("--sft-steps", type=int, default=300, help="SFT warm start steps (workers.bootstrap)")
+    ap.add_argument("--assets-dir", default=str(ROOT / "runs" / "assets"),
+                    help="the pipeline's embedded-assets cache (flows/bootstrap.py): its SFT warm start is reused, "
+                         "or built there with workers.bootstrap.ensure_default_assets")
+    ap.add_argument("--sft-steps", type=int, default=None, help="SFT warm start steps (default: SFTConfig's)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
-        model_dir = ensure_default_assets(run_dir / "assets", sft=SFTConfig(steps=args.sft_steps))["model_dir"]
+        sft = SFTConfig() if args.sft_steps is None else SFTConfig(steps=args.sft_steps)
+        model_dir = ensure_default_assets(Path(args.assets_dir), sft=sft)["model_dir"]
     tok = _tokenizer(model_dir)
     import random
 
