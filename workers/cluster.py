@@ -47,12 +47,13 @@ def apply_env(run_dir: Path) -> None:
 
 
 def ray_temp_dir(run_dir: Path) -> str:
-    """$RAY_TMPDIR, else <run_dir>/ray; Ray's unix sockets must fit in 107 bytes, so a long run dir falls back to a
+    """$RAY_TMPDIR, else <run_dir>/ray; Ray's unix sockets (``<tmp>/session_<date>_<time>_<us>_<pid>/sockets/
+    plasma_store``, ~64 bytes after <tmp>) must fit in 107 bytes, so a run dir longer than 40 bytes falls back to a
     short per-run dir under /tmp."""
     if os.environ.get("RAY_TMPDIR"):
         return os.environ["RAY_TMPDIR"]
     candidate = (run_dir / "ray").resolve()
-    if len(str(candidate)) <= 48:
+    if len(str(candidate)) <= 40:
         return str(candidate)
     return f"/tmp/ray-{hashlib.sha1(str(candidate).encode()).hexdigest()[:10]}"
 

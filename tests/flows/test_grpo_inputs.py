@@ -47,3 +47,16 @@ def test_missing_dataset_file_and_column_fail_before_workers(tmp_path):
     with pytest.raises(DataError, match=r"rows\.jsonl: no answer column 'answer'"):
         grpo(RECIPE, base + [f"data.train_path={rows}", f"data.validation_path={rows}"])
     assert not ray.is_initialized()
+
+
+def test_ray_temp_dir_fits_unix_socket_limit(monkeypatch, tmp_path):
+    from workers.cluster import ray_temp_dir
+
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)
+    assert ray_temp_dir(Path("/r")) == "/r/ray"
+    long_dir = Path("/work/main/runs/smoke_tiny_fp8_tensorwise_cc")  # 48 bytes with /ray: too long for Ray
+    tmp = ray_temp_dir(long_dir)
+    socket = f"{tmp}/session_2026-11-29_09-35-28_297401_31018/sockets/plasma_store"
+    assert tmp.startswith("/tmp/ray-") and len(socket) <= 107
+    monkeypatch.setenv("RAY_TMPDIR", "/tmp/x")
+    assert ray_temp_dir(long_dir) == "/tmp/x"
