@@ -166,10 +166,17 @@ class CalibrationCfg:
 
     kv_scales_period: int = 1  # steps between KV-scale calibrations when the KV cache is FP8 (0 = off)
     kv_calibration_samples: int = 8  # prompts+responses of the current batch used for KV amax
-    calibrated_clipping: bool = False  # fp8core.rl.calibrated_clipping; reference bounds = loss_fn.ratio_clip_*
-    clip_period: int = 5  # K: recalibrate the clip bounds every K steps (BF16 shadow forwards on those steps)
-    clip_low_range: tuple[float, float] = (0.5, 0.9)
-    clip_high_range: tuple[float, float] = (1.2, 2.0)
+    # Calibrated Clipping (fp8core.rl.calibrated_clipping). The BF16 reference bounds are
+    # [1 - loss_fn.ratio_clip_min, 1 + loss_fn.ratio_clip_max]: [0.8, 1.24] for GRPO, [0.8, 1.28] for DAPO.
+    calibrated_clipping: bool = False
+    clip_period: int = 20  # K: recalibrate the clip bounds every K steps (BF16 shadow forwards on those steps)
+    clip_low_range: tuple[float, float] = (0.5, 0.9)  # search range of L
+    clip_high_range: tuple[float, float] = (1.2, 2.0)  # search range of H
+    clip_search_step: float = 0.02  # grid step of both searches
+    clip_max_delta_low: float = 0.05  # smoothing: largest change of L per calibration
+    clip_max_delta_high: float = 0.1  # smoothing: largest change of H per calibration
+    clip_init_low: float = 0.6  # bounds used until the first calibration
+    clip_init_high: float = 1.8
 
 
 @dataclass(frozen=True)
@@ -343,11 +350,17 @@ def _validate(c: Config):
         _check(f8.enabled, "calibration.calibrated_clipping",
                "calibrates FP8 training against its BF16 shadow: needs policy.megatron_cfg.fp8_cfg.enabled=true")
         _check(cal.clip_period >= 1, "calibration.clip_period", f"must be >= 1, got {cal.clip_period}")
+        for key in ("clip_search_step", "clip_max_delta_low", "clip_max_delta_high"):
+            _check(getattr(cal, key) > 0, f"calibration.{key}", f"must be > 0, got {getattr(cal, key)}")
         lo, hi = cal.clip_low_range, cal.clip_high_range
         _check(0 < lo[0] <= 1 - lf.ratio_clip_min <= lo[1] < hi[0] <= 1 + lf.ratio_clip_max <= hi[1],
                "calibration.clip_low_range",
                f"need 0 < low_range {lo} around 1 - loss_fn.ratio_clip_min, below high_range {hi} around "
                "1 + loss_fn.ratio_clip_max")
+        _check(cal.clip_low_range[0] <= cal.clip_init_low <= cal.clip_low_range[1], "calibration.clip_init_low",
+               f"must lie in calibration.clip_low_range {cal.clip_low_range}, got {cal.clip_init_low}")
+        _check(cal.clip_high_range[0] <= cal.clip_init_high <= cal.clip_high_range[1], "calibration.clip_init_high",
+               f"must lie in calibration.clip_high_range {cal.clip_high_range}, got {cal.clip_init_high}")
     _check(p.generation.max_new_tokens + c.data.max_input_seq_length <= vc.max_model_len,
            "policy.generation.vllm_cfg.max_model_len",
            f"{vc.max_model_len} is shorter than data.max_input_seq_length + policy.generation.max_new_tokens")

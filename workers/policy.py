@@ -152,7 +152,9 @@ class PolicyWorker:
         if cal.calibrated_clipping:
             self.cc = CalibratedClipping(CalibratedClippingConfig(
                 interval=cal.clip_period, low_range=tuple(cal.clip_low_range), high_range=tuple(cal.clip_high_range),
-                init_low=self.clip_low, init_high=self.clip_high, ref_eps_low=lf.ratio_clip_min,
+                step=cal.clip_search_step, max_delta_low=cal.clip_max_delta_low,
+                max_delta_high=cal.clip_max_delta_high, init_low=cal.clip_init_low, init_high=cal.clip_init_high,
+                ref_eps_low=lf.ratio_clip_min,
                 ref_eps_high=lf.ratio_clip_max))
         self.kv_scales: dict[str, list[float]] | None = None
         self.skipped_updates = 0

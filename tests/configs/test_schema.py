@@ -102,6 +102,10 @@ def test_bad_overrides_name_their_path(override, path):
     (["calibration.calibrated_clipping=true"], "calibration.calibrated_clipping"),  # needs FP8 training
     (["policy.megatron_cfg.fp8_cfg.enabled=true", "calibration.calibrated_clipping=true",
       "calibration.clip_low_range=[0.85, 0.9]"], "calibration.clip_low_range"),
+    (["policy.megatron_cfg.fp8_cfg.enabled=true", "calibration.calibrated_clipping=true",
+      "calibration.clip_init_high=2.5"], "calibration.clip_init_high"),
+    (["policy.megatron_cfg.fp8_cfg.enabled=true", "calibration.calibrated_clipping=true",
+      "calibration.clip_max_delta_low=0"], "calibration.clip_max_delta_low"),
 ])
 def test_impossible_combinations(overrides, path):
     with pytest.raises(ConfigError) as e:

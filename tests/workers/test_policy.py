@@ -114,9 +114,12 @@ def test_fp8_policy_calibrations_and_nonfinite_skip(model_dir):
                   "calibration.clip_period": 1})
     w = PolicyWorker(model_dir, cfg)
     assert len(w.fp8_layers) == 2 * 7  # q,k,v,o,gate,up,down per decoder layer
+    assert w.bounds() == (0.6, 1.8)  # calibration.clip_init_*: the paper's start, not the BF16 reference
     ro = _rollouts(w)
     m = w.train_step(ro, [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0], step=1)
     assert "calib/bound_low" in m and m["time/clip_calibration_s"] > 0
+    lo, hi = w.bounds()  # smoothing caps from calibration.clip_max_delta_{low,high}
+    assert abs(lo - 0.6) <= 0.05 + 1e-9 and abs(hi - 1.8) <= 0.1 + 1e-9
     assert (m["clip/bound_low"], m["clip/bound_high"]) == w.bounds()
     scales = w.calibrate_kv_scales(ro, max_samples=4)
     assert len(scales["k_scale"]) == len(scales["v_scale"]) == 2 and min(scales["k_scale"]) > 0
