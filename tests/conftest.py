@@ -1,6 +1,12 @@
 """Test-wide environment: every cache and temp dir under runs/test-env (never $HOME), nothing reaches out."""
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 _ROOT = Path(__file__).resolve().parents[1] / "runs" / "test-env"
 _ENV = {
@@ -20,3 +26,36 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for servers the tests start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def moto_s3(monkeypatch):
+    """A real S3 endpoint: ``moto_server`` on 127.0.0.1 (free port) with test credentials in the environment."""
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for key, val in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": url}.items():
+        monkeypatch.setenv(key, val)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)

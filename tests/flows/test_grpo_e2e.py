@@ -1,10 +1,6 @@
 """End to end: the tiny FP8 (blockwise, FP8 KV cache) recipe runs 2 RL steps through the real pipeline -- Prefect flow
 and subflows, Ray actors (PolicyWorker with fp8core FP8 training, RolloutWorker with a vLLM engine), MLflow on sqlite,
 checkpoints on a local moto S3 server -- then resumes from the latest *complete* checkpoint into the same MLflow run."""
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,35 +14,6 @@ METRICS = ["reward/mean", "val/accuracy", "mismatch/token_mult_prob_error", "mis
            "time/checkpoint_s"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def moto_s3(monkeypatch):
-    port = _free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for key, val in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": url}.items():
-        monkeypatch.setenv(key, val)
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.mark.e2e

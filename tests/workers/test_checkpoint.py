@@ -1,10 +1,5 @@
 """Checkpoints: manifest written last, incomplete ones ignored/refused, retries, pruning, local and moto S3."""
 import json
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -107,35 +102,6 @@ def test_transient_write_errors_are_retried(tmp_path, monkeypatch):
     assert store.latest_step() is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def moto_s3(monkeypatch):
-    port = _free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for key, val in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                     "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": url}.items():
-        monkeypatch.setenv(key, val)
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.mark.e2e
