@@ -293,11 +293,12 @@ class PolicyWorker:
             else:
                 self.skipped_updates += 1
             self.optimizer.zero_grad(set_to_none=True)
+        lr_used = float(self.optimizer.param_groups[0]["lr"])  # the LR this step's updates used (before the advance)
         self.scheduler.step()
         for k, v in sums.items():  # micro-batch means; loss/total is normalized globally, so sum per global batch
             m[k] = v / max(1, n_gb) if k == "loss/total" else v / max(1, n_mb)
         m["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
-        m["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        m["train/lr"] = lr_used
         m["train/optimizer_updates"] = float(updates)
         m["train/skipped_updates"] = float(self.skipped_updates)
         m["reward/mean"] = float(r.mean())

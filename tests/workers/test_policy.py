@@ -145,3 +145,12 @@ def test_checkpoint_resume_is_deterministic(model_dir, tmp_path):
     assert mb["loss/total"] == pytest.approx(ma["loss/total"], rel=1e-6) and mb["train/lr"] == ma["train/lr"]
     for (k, va), vb in zip(a.model.state_dict().items(), b.model.state_dict().values(), strict=True):
         assert torch.equal(va, vb), k
+
+
+def test_train_lr_metric_is_the_lr_the_updates_used(model_dir):
+    # warmup_steps=2: the first RL step's updates run at lr/2, the second at lr; the metric must say so (it used to
+    # report the already-advanced LR of the next step).
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", "policy.scheduler.warmup_steps": 2}))
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert w.train_step(_rollouts(w), rewards, step=1)["train/lr"] == pytest.approx(5e-4)
+    assert w.train_step(_rollouts(w), rewards, step=2)["train/lr"] == pytest.approx(1e-3)
