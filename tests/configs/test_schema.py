@@ -52,7 +52,8 @@ def test_seed_key_names_as_overrides():
         "policy.generation.vllm_cfg.pow2_activation_scaling_factors=true",
         "policy.megatron_cfg.fp8_cfg.enabled=true", "policy.megatron_cfg.fp8_cfg.fp8=hybrid",
         "policy.megatron_cfg.fp8_cfg.fp8_recipe=rowwise", "loss_fn.ratio_clip_max=0.3", "grpo.max_num_steps=2",
-        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "grpo.val_period=1",
+        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=32",
+        "grpo.val_period=1",
         "checkpointing.save_period=1", "logger.mlflow.experiment_name=x", "ray.address=auto", "optimizer_unused_ok=1",
     ][:-1])
     vc = cfg.policy.generation.vllm_cfg
