@@ -31,6 +31,9 @@ def test_tiny_fp8_two_steps_then_resume_from_s3(tmp_path, moto_s3, capsys):
     common = [f"run_dir={tmp_path / 'run'}", f"logger.mlflow.tracking_uri={db}",
               "checkpointing.checkpoint_dir=s3://ckpt-bucket/tiny-e2e", "checkpointing.save_period=1",
               "checkpointing.keep_last_k=3", "grpo.val_period=1", "grpo.max_val_samples=8",
+              # a small batch keeps CI fast; the recipe's 16 x 8 is for real runs
+              "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
+              "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
               f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'assets'}", "bootstrap.sft_steps=40"]
     recipe = str(ROOT / "configs" / "tiny_fp8_e2e_kv.yaml")
 
