@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +30,17 @@ from workers.rollout import RolloutConfig, RolloutWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+
+def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids`` [B, max_len] and its ``attention_mask`` for token-id sequences."""
+    width = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        ids[i, :len(x)] = torch.tensor(x)
+        attn[i, :len(x)] = 1
+    return ids, attn
 
 def load_trainer_model(model_dir: str | Path, *, fp8: bool, num_first_layers_in_bf16: int = 0,
                        num_last_layers_in_bf16: int = 0, pow2_weight: bool = False, pow2_activation: bool = False,
@@ -59,13 +71,7 @@ def trainer_logprobs(model, prompt_ids: list[list[int]], response_ids: list[list
     out: list[torch.Tensor] = []
     for start in range(0, len(prompt_ids), batch_size):
         ps, rs = prompt_ids[start:start + batch_size], response_ids[start:start + batch_size]
-        seqs = [p + r for p, r in zip(ps, rs, strict=True)]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-            attn[i, :len(s)] = 1
+        ids, attn = pad_right([p + r for p, r in zip(ps, rs, strict=True)], pad_id)
         logits = model(input_ids=ids, attention_mask=attn).logits.float()
         logp = torch.log_softmax(logits / temperature, dim=-1)
         for i, (p, r) in enumerate(zip(ps, rs, strict=True)):
@@ -132,13 +138,7 @@ def calibrate_kv_scales(model, prompt_ids: list[list[int]], response_ids: list[l
     seqs = [p + r for p, r in zip(prompt_ids, response_ids, strict=True)] if response_ids else list(prompt_ids)
     batches = []
     for start in range(0, len(seqs), batch_size):
-        chunk = seqs[start:start + batch_size]
-        width = max(len(x) for x in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(chunk), width), dtype=torch.long)
-        for i, x in enumerate(chunk):
-            ids[i, :len(x)] = torch.tensor(x)
-            attn[i, :len(x)] = 1
+        ids, attn = pad_right(seqs[start:start + batch_size], pad_id)
         batches.append({"input_ids": ids, "attention_mask": attn})
     with torch.no_grad():
         return calibrate(model, batches)
