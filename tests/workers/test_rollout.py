@@ -28,13 +28,6 @@ def worker(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(model_dir):
-    from safetensors.torch import load_file
-
-    return load_file(str(model_dir / "model.safetensors"))
-
-
-@pytest.fixture(scope="module")
 def prompts(worker):
     from workers.tiny_model import chat_prompt
 
