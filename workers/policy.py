@@ -172,8 +172,11 @@ class PolicyWorker:
             return self.cc.bounds
         return self.clip_low, self.clip_high
 
-    def weights(self, dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
-        """HF-named weights for a rollout refit (a copy in ``dtype``; the engine re-quantizes FP8 layers itself)."""
+    def weights(self, dtype: str = "float32") -> dict[str, torch.Tensor]:
+        """HF-named weights for a rollout refit: a copy of the FP32 masters by default. The engine quantizes its FP8
+        layers from what it receives, so it must receive the masters the trainer's FP8Linear quantizes: a BF16 copy
+        would make the engine hold ``quantize(bf16(w))`` instead of the trainer's ``quantize(w)`` (2.2% of FP8 codes
+        and every block scale differed on a trained checkpoint)."""
         dt = getattr(torch, dtype)
         return {k: v.detach().to("cpu", dt).clone() for k, v in self.model.state_dict().items()}
 
