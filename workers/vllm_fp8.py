@@ -1,8 +1,10 @@
-"""Out-of-tree vLLM quantization method ``fp8core_block``: blockwise FP8 linears with fp8core's numerics.
+"""Out-of-tree vLLM quantization method ``fp8core``: FP8 linears with fp8core's numerics, for every trainer recipe
+(blockwise, rowwise, tensorwise).
 
 Why our own method: vLLM's ``quantization="fp8"`` does not run on CPU (its ops are CUDA stubs) and its block-FP8
 CPU path needs AMX; and even on GPU its quantizer is not ours. Rollouts and training must share numerics, so the
-rollout engine quantizes and multiplies exactly as the trainer's :class:`fp8core.linear.FP8Linear` does.
+rollout engine quantizes and multiplies exactly as the trainer's :class:`fp8core.linear.FP8Linear` does, in the
+trainer's recipe.
 
 What it does per linear layer (``LinearBase``: qkv_proj, o_proj, gate_up_proj, down_proj of the FP8 decoder layers):
 
@@ -11,21 +13,37 @@ What it does per linear layer (``LinearBase``: qkv_proj, o_proj, gate_up_proj, d
 * ``process_weights_after_loading`` (at load and at every ``reload_weights`` refit -- vLLM's layerwise reload puts the
   checkpoint layout back, loads into it, calls this, and copies the result into the kernel tensors in place):
   each logical output partition (q / k / v of the fused qkv_proj, gate / up of gate_up_proj) is quantized on its own
-  with ``fp8core.quantize(w, "block128", fmt="e4m3", pow2=pow2_weight)``, which is exactly what the trainer does to
-  the separate HF ``q_proj`` / ``k_proj`` / ... weights. The layer then holds ``weight`` (float8_e4m3fn ``[N, K]``)
-  and ``weight_scale_inv`` (FP32 dequantization scales, the partitions' ``[ceil(n_i/128), ceil(K/128)]`` blocks
-  stacked along dim 0 -- the same layout as vLLM's block-FP8 checkpoints when every n_i is a multiple of 128) and
-  ``weight_block_size = [128, 128]``.
-* ``apply``: ``fp8core.linear.fp8_linear_forward(x, weight_q_i, bias_i, recipe="blockwise",
-  pow2_activation=...)`` per partition, concatenated along the output dim: activations quantized E4M3 in 1x128
-  groups per token at run time, FP32 accumulation, BF16 out. Per partition because the trainer runs q/k/v (and
-  gate/up) as separate GEMMs: same operands, same per-output-column dot products.
+  with ``fp8core.quantize(w, weight_granularity(recipe), fmt="e4m3", pow2=pow2_weight)``, which is exactly what the
+  trainer does to the separate HF ``q_proj`` / ``k_proj`` / ... weights. The layer then holds ``weight``
+  (float8_e4m3fn ``[N, K]``) and ``weight_scale_inv`` (FP32 dequantization scales of the partitions, stacked):
+
+  ===========  =============================================  ======================================================
+  recipe       weight granularity                             ``weight_scale_inv``
+  ===========  =============================================  ======================================================
+  blockwise    128x128 blocks                                 ``[sum_i ceil(n_i/128), ceil(K/128)]`` (vLLM's block-FP8
+                                                              layout when every n_i is a multiple of 128);
+                                                              ``weight_block_size = [128, 128]``
+  rowwise      one scale per output row                       ``[N, 1]``
+  tensorwise   one scale per partition (= per HF tensor)      ``[num_partitions]`` (vLLM's per-tensor FP8 layout
+                                                              before it requantizes fused layers to one max)
+  ===========  =============================================  ======================================================
+* ``apply``: ``fp8core.linear.fp8_linear_forward(x, weight_q_i, bias_i, recipe=recipe, pow2_activation=...)`` per
+  partition, concatenated along the output dim: activations quantized E4M3 at run time with the recipe's activation
+  granularity (1x128 groups per token / one scale per token / one scale per tensor), FP32 accumulation, BF16 out.
+  Per partition because the trainer runs q/k/v (and gate/up) as separate GEMMs: same operands, same per-output-column
+  dot products.
+
+Identity with the trainer: the engine's FP8 weights after refit equal the trainer's ``FP8Linear.quantized_weight()``
+bit for bit, and for the same input tensor the engine's linear outputs equal the trainer's (tested per recipe). For
+blockwise and rowwise activations every scale depends on one token only, so a token's output is the same whether
+vLLM packs it with other requests or the trainer pads it into a micro-batch. **Tensorwise activations are not
+token-local**: the scale is the amax over all tokens of the GEMM, and vLLM's packed batch is not the trainer's padded
+micro-batch, so end-to-end identity of whole sequences cannot hold for tensorwise (it does for the same tensor).
 
 Which path runs where: fp8core's ``backend="auto"`` -- on CPU (and GPUs without FP8 tensor cores) the emulation
-(dequantize -> FP32 matmul), on CUDA devices with capability >= 8.9 ``torch._scaled_mm`` over 128-wide K chunks. The
-trainer's FP8Linear uses the same rule, so the two sides use the same backend on the same hardware. vLLM's own
-block-FP8 CUDA kernels (``quantization="fp8"`` with ``weight_block_size``) are not used: they quantize activations
-with their own kernel, so they would not be bit-identical to training.
+(dequantize -> FP32 matmul), on CUDA devices with capability >= 8.9 ``torch._scaled_mm``. The trainer's FP8Linear
+uses the same rule, so the two sides use the same backend on the same hardware. vLLM's own FP8 CUDA kernels are not
+used: they quantize activations with their own kernel, so they would not be bit-identical to training.
 
 Which layers: decoder layers ``fp8core.convert.fp8_layer_indices(L, first, last)`` (the trainer's rule); the first
 ``num_first_layers_in_bf16`` and last ``num_last_layers_in_bf16`` decoder layers, embeddings, lm_head and norms stay
@@ -33,7 +51,7 @@ in BF16 (vLLM's unquantized method). Attention (and the KV cache) is not touched
 ``kv_cache_dtype="fp8"`` with scales set by workers/rollout.py.
 
 Configuration travels inside the HF config (``hf_overrides={"quantization_config": quantization_config_dict(...)}``)
-with ``quantization="fp8core_block"``; importing this module registers the method (in-process engines only: with
+with ``quantization="fp8core"``; importing this module registers the method (in-process engines only: with
 vLLM multiprocessing the engine process would have to import it too, e.g. through a vLLM general plugin).
 """
 from __future__ import annotations
@@ -49,51 +67,61 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.parameter import ModelWeightParameter
 
 from fp8core.convert import fp8_layer_indices
-from fp8core.linear import fp8_linear_forward
+from fp8core.linear import RECIPES, fp8_linear_forward, weight_granularity
 from fp8core.quant import GROUP, QuantizedTensor, quantize
 
-QUANT_NAME = "fp8core_block"
+QUANT_NAME = "fp8core"
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_KEYS = ("num_hidden_layers", "num_first_layers_in_bf16", "num_last_layers_in_bf16",
+_KEYS = ("num_hidden_layers", "fp8_recipe", "num_first_layers_in_bf16", "num_last_layers_in_bf16",
          "pow2_weight_scaling_factors", "pow2_activation_scaling_factors")
 
 
-def quantization_config_dict(*, num_hidden_layers: int, num_first_layers_in_bf16: int = 0,
-                             num_last_layers_in_bf16: int = 0, pow2_weight_scaling_factors: bool = False,
+def quantization_config_dict(*, num_hidden_layers: int, fp8_recipe: str = "blockwise",
+                             num_first_layers_in_bf16: int = 0, num_last_layers_in_bf16: int = 0,
+                             pow2_weight_scaling_factors: bool = False,
                              pow2_activation_scaling_factors: bool = False) -> dict[str, Any]:
-    """The ``quantization_config`` entry to put in the HF config (through ``hf_overrides``) for ``fp8core_block``."""
-    cfg = {"quant_method": QUANT_NAME, "num_hidden_layers": num_hidden_layers,
+    """The ``quantization_config`` entry to put in the HF config (through ``hf_overrides``) for ``fp8core``."""
+    cfg = {"quant_method": QUANT_NAME, "fp8_recipe": fp8_recipe, "num_hidden_layers": num_hidden_layers,
            "num_first_layers_in_bf16": num_first_layers_in_bf16, "num_last_layers_in_bf16": num_last_layers_in_bf16,
            "pow2_weight_scaling_factors": pow2_weight_scaling_factors,
-           "pow2_activation_scaling_factors": pow2_activation_scaling_factors, "weight_block_size": [GROUP, GROUP]}
-    Fp8CoreBlockConfig.from_config(cfg)  # validate now, with the key names in the message
+           "pow2_activation_scaling_factors": pow2_activation_scaling_factors}
+    if fp8_recipe == "blockwise":
+        cfg["weight_block_size"] = [GROUP, GROUP]
+    Fp8CoreConfig.from_config(cfg)  # validate now, with the key names in the message
     return cfg
 
 
 @register_quantization_config(QUANT_NAME)
-class Fp8CoreBlockConfig(QuantizationConfig):
-    """Blockwise FP8 (128x128 weights, 1x128 activations) computed by fp8core; see the module docstring."""
+class Fp8CoreConfig(QuantizationConfig):
+    """FP8 linears computed by fp8core in the trainer's recipe; see the module docstring."""
 
-    def __init__(self, *, num_hidden_layers: int, num_first_layers_in_bf16: int = 0, num_last_layers_in_bf16: int = 0,
-                 pow2_weight_scaling_factors: bool = False, pow2_activation_scaling_factors: bool = False):
+    def __init__(self, *, num_hidden_layers: int, fp8_recipe: str = "blockwise", num_first_layers_in_bf16: int = 0,
+                 num_last_layers_in_bf16: int = 0, pow2_weight_scaling_factors: bool = False,
+                 pow2_activation_scaling_factors: bool = False):
         super().__init__()
+        if fp8_recipe not in RECIPES:
+            raise ValueError(f"quantization_config.fp8_recipe={fp8_recipe!r} is not one of {RECIPES}")
         self.fp8_layers = frozenset(fp8_layer_indices(num_hidden_layers, num_first_layers_in_bf16,
                                                       num_last_layers_in_bf16))
         self.num_hidden_layers = num_hidden_layers
+        self.recipe = fp8_recipe
+        self.weight_granularity = weight_granularity(fp8_recipe)
         self.pow2_weight = pow2_weight_scaling_factors
         self.pow2_activation = pow2_activation_scaling_factors
-        self.weight_block_size = [GROUP, GROUP]
+        self.weight_block_size = [GROUP, GROUP] if fp8_recipe == "blockwise" else None
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Fp8CoreBlockConfig:
+    def from_config(cls, config: dict[str, Any]) -> Fp8CoreConfig:
         unknown = set(config) - set(_KEYS) - {"quant_method", "weight_block_size"}
         if unknown:
             raise ValueError(f"quantization_config for {QUANT_NAME} has unknown keys {sorted(unknown)}")
         if "num_hidden_layers" not in config:
             raise ValueError(f"quantization_config for {QUANT_NAME} lacks 'num_hidden_layers'")
-        if config.get("weight_block_size", [GROUP, GROUP]) != [GROUP, GROUP]:
-            raise ValueError(f"quantization_config.weight_block_size must be [128, 128], "
-                             f"got {config['weight_block_size']}")
+        recipe = config.get("fp8_recipe", "blockwise")
+        expected_block = [GROUP, GROUP] if recipe == "blockwise" else None
+        if config.get("weight_block_size", expected_block) != expected_block:
+            raise ValueError(f"quantization_config.weight_block_size must be {expected_block} for "
+                             f"fp8_recipe={recipe!r}, got {config['weight_block_size']}")
         for key in ("pow2_weight_scaling_factors", "pow2_activation_scaling_factors"):
             if not isinstance(config.get(key, False), bool):
                 raise ValueError(f"quantization_config.{key} must be a bool, got {config[key]!r}")
@@ -123,13 +151,14 @@ class Fp8CoreBlockConfig(QuantizationConfig):
         idx = self.layer_index(prefix)
         if idx is None or idx not in self.fp8_layers:
             return UnquantizedLinearMethod()
-        return Fp8CoreBlockLinearMethod(self)
+        return Fp8CoreLinearMethod(self)
 
 
-class Fp8CoreBlockLinearMethod(LinearMethodBase):
-    """Quantize at load/refit with fp8core (128x128, per logical partition); run fp8core's FP8 forward."""
+class Fp8CoreLinearMethod(LinearMethodBase):
+    """Quantize at load/refit with fp8core (per logical partition, the recipe's weight granularity); run fp8core's
+    FP8 forward."""
 
-    def __init__(self, config: Fp8CoreBlockConfig):
+    def __init__(self, config: Fp8CoreConfig):
         self.config = config
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
@@ -139,7 +168,7 @@ class Fp8CoreBlockLinearMethod(LinearMethodBase):
         layer.input_size_per_partition = input_size_per_partition
         layer.output_size_per_partition = sum(output_partition_sizes)
         layer.orig_dtype = params_dtype
-        layer.weight_block_size = [GROUP, GROUP]
+        layer.weight_block_size = self.config.weight_block_size
         weight = ModelWeightParameter(
             data=torch.empty(layer.output_size_per_partition, input_size_per_partition, dtype=torch.float32),
             input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.get("weight_loader"))
@@ -152,22 +181,30 @@ class Fp8CoreBlockLinearMethod(LinearMethodBase):
         datas, scales = [], []
         offset = 0
         for width in layer.logical_widths:
-            q = quantize(w[offset:offset + width], "block128", fmt="e4m3", pow2=self.config.pow2_weight)
+            q = quantize(w[offset:offset + width], self.config.weight_granularity, fmt="e4m3",
+                         pow2=self.config.pow2_weight)
             datas.append(q.data)
-            scales.append(q.scale)
+            scales.append(q.scale.reshape(1) if q.scale.dim() == 0 else q.scale)
             offset += width
         layer.weight = Parameter(torch.cat(datas, 0), requires_grad=False)
         layer.weight_scale_inv = Parameter(torch.cat(scales, 0).to(torch.float32), requires_grad=False)
 
     def partitions(self, layer: torch.nn.Module) -> list[QuantizedTensor]:
         """The layer's FP8 weight as one QuantizedTensor per logical partition (views, no copies)."""
+        gran = self.config.weight_granularity
         out, row, srow = [], 0, 0
-        for width in layer.logical_widths:
-            nblk = -(-width // GROUP)
-            out.append(QuantizedTensor(layer.weight[row:row + width], layer.weight_scale_inv[srow:srow + nblk],
-                                       "block128", "e4m3"))
+        for i, width in enumerate(layer.logical_widths):
+            data = layer.weight[row:row + width]
+            if gran == "block128":
+                nblk = -(-width // GROUP)
+                scale = layer.weight_scale_inv[srow:srow + nblk]
+                srow += nblk
+            elif gran == "rowwise":
+                scale = layer.weight_scale_inv[row:row + width]
+            else:
+                scale = layer.weight_scale_inv[i]
+            out.append(QuantizedTensor(data, scale, gran, "e4m3"))
             row += width
-            srow += nblk
         return out
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -176,7 +213,12 @@ class Fp8CoreBlockLinearMethod(LinearMethodBase):
         for wq in parts:
             n = wq.data.shape[0]
             b = None if bias is None else bias[row:row + n]
-            ys.append(fp8_linear_forward(x, wq, b, recipe="blockwise",
+            ys.append(fp8_linear_forward(x, wq, b, recipe=self.config.recipe,
                                          pow2_activation=self.config.pow2_activation))
             row += n
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+
+
+# Names before the method served every recipe (tests/workers/test_vllm_fp8.py still uses them).
+Fp8CoreBlockConfig = Fp8CoreConfig
+Fp8CoreBlockLinearMethod = Fp8CoreLinearMethod
