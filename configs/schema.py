@@ -42,10 +42,14 @@ class VllmCfg:
 
     precision: Literal["bfloat16", "fp8"] = "bfloat16"
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # fp8 = E4M3 cache with per-layer K/V scales from calibration
-    num_first_layers_in_bf16: int = 0
-    num_last_layers_in_bf16: int = 0
-    pow2_weight_scaling_factors: bool = False
-    pow2_activation_scaling_factors: bool = False
+    # FP8 numerics of the engine's linears. null = follow the trainer's policy.megatron_cfg.fp8_cfg (end-to-end FP8),
+    # or blockwise / 0 / false for FP8-generation-only recipes. Set with FP8 training on, they must equal the
+    # trainer's (Config.rollout_fp8_spec); the schema rejects a disagreement naming both keys.
+    fp8_recipe: Literal["blockwise", "rowwise", "tensorwise"] | None = None
+    num_first_layers_in_bf16: int | None = None
+    num_last_layers_in_bf16: int | None = None
+    pow2_weight_scaling_factors: bool | None = None
+    pow2_activation_scaling_factors: bool | None = None
     max_model_len: int = 256
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.6
@@ -274,6 +278,32 @@ class Config:
             "fp8-rollout" if gen.precision == "fp8" else "fp8-train")
         return tag + ("-kvfp8" if gen.kv_fp8 else "")
 
+    def trainer_fp8_spec(self):
+        """The trainer's FP8 numerics (``fp8core.spec.FP8Spec``), or None when training is not FP8."""
+        from fp8core.spec import FP8Spec
+
+        f8 = self.policy.megatron_cfg.fp8_cfg
+        if not f8.enabled:
+            return None
+        return FP8Spec(recipe=f8.fp8_recipe, fmt=f8.fp8, pow2_weight=f8.pow2_weight_scaling_factors,
+                       pow2_activation=f8.pow2_activation_scaling_factors,
+                       num_first_layers_in_bf16=f8.num_first_layers_in_bf16,
+                       num_last_layers_in_bf16=f8.num_last_layers_in_bf16, backend=f8.backend)
+
+    def rollout_fp8_spec(self):
+        """The rollout engine's FP8 numerics, or None for BF16 rollouts. End-to-end FP8: the trainer's spec (the
+        validator has checked that explicitly set rollout keys agree). FP8 generation only: the rollout keys, unset
+        ones at their defaults (blockwise, no BF16 layers, no pow2)."""
+        from fp8core.spec import FP8Spec
+
+        vc = self.policy.generation.vllm_cfg
+        if vc.precision != "fp8":
+            return None
+        trainer = self.trainer_fp8_spec()
+        if trainer is not None:
+            return FP8Spec(**{f: getattr(trainer, f) for f in _ROLLOUT_FP8_KEYS.values()})
+        return FP8Spec(**{f: getattr(vc, k) for k, f in _ROLLOUT_FP8_KEYS.items() if getattr(vc, k) is not None})
+
     def to_dict(self) -> dict:
         return _to_plain(self)
 
@@ -283,6 +313,12 @@ class Config:
 
 
 # ------------------------------------------------------------------------------------------------------ validation
+# rollout key (policy.generation.vllm_cfg.<key>) -> FP8Spec field; the trainer's key is policy.megatron_cfg.fp8_cfg.<key>
+_ROLLOUT_FP8_KEYS = {"fp8_recipe": "recipe", "num_first_layers_in_bf16": "num_first_layers_in_bf16",
+                     "num_last_layers_in_bf16": "num_last_layers_in_bf16",
+                     "pow2_weight_scaling_factors": "pow2_weight", "pow2_activation_scaling_factors": "pow2_activation"}
+
+
 def _check(cond: bool, path: str, msg: str):
     if not cond:
         raise ConfigError(f"{path}: {msg}")
@@ -328,13 +364,18 @@ def _validate(c: Config):
                     ("policy.generation.vllm_cfg.num_last_layers_in_bf16", vc.num_last_layers_in_bf16),
                     ("policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16", f8.num_first_layers_in_bf16),
                     ("policy.megatron_cfg.fp8_cfg.num_last_layers_in_bf16", f8.num_last_layers_in_bf16)]:
-        _check(v >= 0, path, f"must be >= 0, got {v}")
+        _check(v is None or v >= 0, path, f"must be >= 0, got {v}")
     # Impossible combinations -------------------------------------------------------------------------------------
     if vc.precision != "fp8":
-        for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16", "pow2_weight_scaling_factors",
-                    "pow2_activation_scaling_factors"):
-            _check(not getattr(vc, key), f"policy.generation.vllm_cfg.{key}",
+        for key in _ROLLOUT_FP8_KEYS:
+            _check(getattr(vc, key) is None, f"policy.generation.vllm_cfg.{key}",
                    "only applies to FP8 rollouts: set policy.generation.vllm_cfg.precision=fp8 or leave it unset")
+    elif f8.enabled:  # end-to-end FP8: one numerics on both sides
+        for key in _ROLLOUT_FP8_KEYS:
+            mine, theirs = getattr(vc, key), getattr(f8, key)
+            _check(mine is None or mine == theirs, f"policy.generation.vllm_cfg.{key}",
+                   f"{mine!r} disagrees with policy.megatron_cfg.fp8_cfg.{key}={theirs!r}: end-to-end FP8 runs the "
+                   "trainer's numerics in the engine (leave the rollout key unset to follow the trainer)")
     if not f8.enabled:
         _check(f8 == Fp8Cfg(), "policy.megatron_cfg.fp8_cfg",
                "FP8 training settings given but policy.megatron_cfg.fp8_cfg.enabled is false")

@@ -51,7 +51,11 @@ def test_seed_key_names_as_overrides():
         "policy.generation.vllm_cfg.pow2_weight_scaling_factors=true",
         "policy.generation.vllm_cfg.pow2_activation_scaling_factors=true",
         "policy.megatron_cfg.fp8_cfg.enabled=true", "policy.megatron_cfg.fp8_cfg.fp8=hybrid",
-        "policy.megatron_cfg.fp8_cfg.fp8_recipe=rowwise", "loss_fn.ratio_clip_max=0.3", "grpo.max_num_steps=2",
+        "policy.megatron_cfg.fp8_cfg.fp8_recipe=rowwise", "policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16=1",
+        "policy.megatron_cfg.fp8_cfg.num_last_layers_in_bf16=1",
+        "policy.megatron_cfg.fp8_cfg.pow2_weight_scaling_factors=true",
+        "policy.megatron_cfg.fp8_cfg.pow2_activation_scaling_factors=true",
+        "loss_fn.ratio_clip_max=0.3", "grpo.max_num_steps=2",
         "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=8", "policy.train_global_batch_size=32",
         "grpo.val_period=1",
         "checkpointing.save_period=1", "logger.mlflow.experiment_name=x", "ray.address=auto", "optimizer_unused_ok=1",
@@ -135,3 +139,41 @@ def test_round_trip_and_defaults():
     # Config is frozen.
     with pytest.raises(AttributeError):
         cfg.run_dir = "x"  # type: ignore[misc]
+
+
+E2E = ["policy.generation.vllm_cfg.precision=fp8", "policy.megatron_cfg.fp8_cfg.enabled=true"]
+
+
+@pytest.mark.parametrize("key, mine, theirs", [
+    ("fp8_recipe", "blockwise", "rowwise"),
+    ("num_first_layers_in_bf16", "1", "0"),
+    ("num_last_layers_in_bf16", "0", "2"),
+    ("pow2_weight_scaling_factors", "true", "false"),
+    ("pow2_activation_scaling_factors", "false", "true"),
+])
+def test_end_to_end_rollout_and_trainer_fp8_must_agree(key, mine, theirs):
+    """A rollout FP8 setting that disagrees with the trainer's fails at load, naming both keys."""
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "tiny_bf16.yaml", [*E2E, f"policy.generation.vllm_cfg.{key}={mine}",
+                                                 f"policy.megatron_cfg.fp8_cfg.{key}={theirs}"])
+    msg = str(e.value)
+    assert msg.startswith(f"policy.generation.vllm_cfg.{key}:") and f"policy.megatron_cfg.fp8_cfg.{key}=" in msg, msg
+
+
+def test_rollout_fp8_spec_follows_the_trainer_or_its_own_keys():
+    over = ["policy.megatron_cfg.fp8_cfg.fp8_recipe=rowwise", "policy.megatron_cfg.fp8_cfg.num_last_layers_in_bf16=1",
+            "policy.megatron_cfg.fp8_cfg.pow2_weight_scaling_factors=true"]
+    cfg = load_config(CONFIGS / "tiny_bf16.yaml", [*E2E, *over, "policy.generation.vllm_cfg.fp8_recipe=rowwise"])
+    assert cfg.rollout_fp8_spec().forward_key() == cfg.trainer_fp8_spec().forward_key() == (
+        "rowwise", True, False, 0, 1)
+    # FP8 generation only (BF16 trainer): the rollout keys, unset ones at their defaults
+    gen_only = load_config(CONFIGS / "tiny_bf16.yaml", ["policy.generation.vllm_cfg.precision=fp8",
+                                                        "policy.generation.vllm_cfg.num_first_layers_in_bf16=1"])
+    assert gen_only.trainer_fp8_spec() is None
+    assert gen_only.rollout_fp8_spec().forward_key() == ("blockwise", False, False, 1, 0)
+    assert load_config(CONFIGS / "tiny_bf16.yaml").rollout_fp8_spec() is None
+    # every shipped FP8 recipe: the engine runs the trainer's numerics
+    for path in CONFIGS.glob("*.yaml"):
+        c = load_config(path)
+        if c.trainer_fp8_spec() is not None and c.rollout_fp8_spec() is not None:
+            assert c.rollout_fp8_spec().forward_key() == c.trainer_fp8_spec().forward_key(), path
