@@ -91,11 +91,12 @@ def rollout_config(cfg: Config):
     from workers.rollout import RolloutConfig
 
     vc = cfg.policy.generation.vllm_cfg
+    spec = cfg.rollout_fp8_spec()  # end-to-end FP8: the trainer's numerics (configs/schema.py)
+    fp8 = {} if spec is None else dict(
+        num_first_layers_in_bf16=spec.num_first_layers_in_bf16, num_last_layers_in_bf16=spec.num_last_layers_in_bf16,
+        pow2_weight_scaling_factors=spec.pow2_weight, pow2_activation_scaling_factors=spec.pow2_activation)
     return RolloutConfig(
-        precision="fp8" if vc.precision == "fp8" else "bf16", kv_cache_dtype=vc.kv_cache_dtype,
-        num_first_layers_in_bf16=vc.num_first_layers_in_bf16, num_last_layers_in_bf16=vc.num_last_layers_in_bf16,
-        pow2_weight_scaling_factors=vc.pow2_weight_scaling_factors,
-        pow2_activation_scaling_factors=vc.pow2_activation_scaling_factors,
+        precision="fp8" if vc.precision == "fp8" else "bf16", kv_cache_dtype=vc.kv_cache_dtype, **fp8,
         kv_cache_memory_bytes=vc.kv_cache_memory_bytes, max_model_len=vc.max_model_len, seed=cfg.grpo.seed,
         gpu_memory_utilization=vc.gpu_memory_utilization, enforce_eager=vc.enforce_eager)
 
