@@ -2,7 +2,7 @@
 
 Key names follow the seed (NeMo RL's GRPO recipes) so its recipes read the same here:
 
-- ``policy.generation.vllm_cfg.{precision, kv_cache_dtype, num_first_layers_in_bf16, num_last_layers_in_bf16,
+- ``policy.generation.vllm_cfg.{precision, kv_cache_dtype, kv_cache_impl, num_first_layers_in_bf16, num_last_layers_in_bf16,
   pow2_weight_scaling_factors, pow2_activation_scaling_factors}``: the rollout engine (vLLM).
 - ``policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe}``: the *trainer's* FP8 settings. We train with HF
   transformers + fp8core, not Megatron; the section keeps the seed's name so seed recipes load unchanged, and
@@ -42,6 +42,10 @@ class VllmCfg:
 
     precision: Literal["bfloat16", "fp8"] = "bfloat16"
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # fp8 = E4M3 cache with per-layer K/V scales from calibration
+    # How kv_cache_dtype=fp8 is realised (workers/rollout.py): native = vLLM's FP8 cache (on CPU needs AVX-512/AMX and
+    # head_size % 32 == 0), emulated = BF16 cache with K/V rounded through E4M3 (any CPU; no capacity gain),
+    # auto = native where vLLM allows it, else emulated.
+    kv_cache_impl: Literal["auto", "native", "emulated"] = "auto"
     # FP8 numerics of the engine's linears. null = follow the trainer's policy.megatron_cfg.fp8_cfg (end-to-end FP8),
     # or blockwise / 0 / false for FP8-generation-only recipes. Set with FP8 training on, they must equal the
     # trainer's (Config.rollout_fp8_spec); the schema rejects a disagreement naming both keys.
@@ -381,6 +385,33 @@ def _validate(c: Config):
                "FP8 training settings given but policy.megatron_cfg.fp8_cfg.enabled is false")
     _check(not f8.fp8_param, "policy.megatron_cfg.fp8_cfg.fp8_param",
            "FP8 parameter storage is not supported (master weights stay BF16/FP32)")
+    # Keys kept so NeMo RL recipes load: accepted only with the value that means what we do.
+    _check(not p.megatron_cfg.enabled, "policy.megatron_cfg.enabled",
+           "the trainer is Hugging Face transformers + fp8core, not Megatron-Core; set it to false (the "
+           "policy.megatron_cfg.fp8_cfg section still configures our trainer's FP8)")
+    _check(not vc.use_deep_gemm, "policy.generation.vllm_cfg.use_deep_gemm",
+           "the fp8core vLLM method deliberately does not use DeepGEMM (its activation quantization is not the "
+           "trainer's, so rollouts would lose bit-identity); set it to false")
+    _check(vc.tensor_parallel_size == 1, "policy.generation.vllm_cfg.tensor_parallel_size",
+           f"{vc.tensor_parallel_size}: one rollout engine runs on one device (tensor parallelism is not "
+           "implemented); set it to 1")
+    _check(p.generation.top_k in (None, -1), "policy.generation.top_k",
+           f"{p.generation.top_k}: top-k sampling makes vLLM's logprobs those of a truncated distribution the "
+           "trainer does not compute, so importance ratios would be biased; leave it null (or -1)")
+    _check(p.tokenizer_name in (None, p.model_name), "policy.tokenizer_name",
+           f"{p.tokenizer_name!r}: the tokenizer is loaded from the model directory (policy.model_name); a separate "
+           "tokenizer is not supported, leave it null")
+    _check(c.cluster.num_nodes >= 1 and c.cluster.gpus_per_node >= 0, "cluster.num_nodes",
+           "num_nodes must be >= 1 and gpus_per_node >= 0")
+    _check(c.cluster.num_nodes == 1 or c.ray.address is not None, "cluster.num_nodes",
+           f"{c.cluster.num_nodes} nodes need an existing Ray cluster: set ray.address")
+    gpus = c.ray.policy_worker.num_gpus + c.ray.rollout_worker.num_gpus
+    _check(gpus <= c.cluster.num_nodes * c.cluster.gpus_per_node, "cluster.gpus_per_node",
+           f"ray.policy_worker.num_gpus + ray.rollout_worker.num_gpus = {gpus} exceed cluster.num_nodes * "
+           f"cluster.gpus_per_node = {c.cluster.num_nodes * c.cluster.gpus_per_node}")
+    if not vc.kv_fp8:
+        _check(vc.kv_cache_impl == "auto", "policy.generation.vllm_cfg.kv_cache_impl",
+               f"{vc.kv_cache_impl} only applies with policy.generation.vllm_cfg.kv_cache_dtype=fp8")
     if vc.kv_fp8:
         _check(cal.kv_scales_period >= 1, "calibration.kv_scales_period",
                f"policy.generation.vllm_cfg.kv_cache_dtype={vc.kv_cache_dtype} needs calibrated K/V scales "

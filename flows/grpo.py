@@ -139,7 +139,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
                "gen": {"n": cfg.grpo.num_generations_per_prompt, "max_tokens": gen.max_new_tokens,
                        "temperature": gen.temperature, "top_p": gen.top_p},
                "kv_fp8": gen.vllm_cfg.kv_fp8, "kv_period": max(1, cfg.calibration.kv_scales_period),
-               "kv_samples": cfg.calibration.kv_calibration_samples,
+               "kv_samples": cfg.calibration.kv_calibration_samples, "val_batch_size": cfg.grpo.val_batch_size,
                "checkpoint": {"uri": ck_uri, "keep_last_k": ck_cfg.keep_last_k,
                               "endpoint_url": ck_cfg.s3_endpoint_url}}
         if resume_state is not None:
@@ -189,7 +189,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
                 log_metrics(uri, run_id, {"summary/val_accuracy_start": summary["val_accuracy_start"] or 0.0,
                                           "summary/val_accuracy_end": summary["val_accuracy_end"] or 0.0},
                             cfg.grpo.max_num_steps)
-            finish_run(uri, run_id, status=status, summary=summary, plot_keys=PLOT_KEYS)
+            finish_run(uri, run_id, status=status, summary=summary, plot_keys=PLOT_KEYS if cfg.logger.plot else [])
             exp = client(uri).get_run(run_id).info.experiment_id
             summary["mlflow_experiment_id"] = exp
     _say(_final_lines(summary))

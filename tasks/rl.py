@@ -101,8 +101,11 @@ def validate(ctx: dict, rows: list[dict], step: int, *, num_samples_to_keep: int
     """Near-greedy decoding (T=0.01, fixed seed) of the validation prompts on the current policy weights (refit first) -> accuracy."""
     t0 = time.perf_counter()
     refit.fn(ctx)
-    outs = ray.get(actor(ctx["rollout"]).generate.remote(
-        prompts_for(ctx["model_dir"], rows), n=1, max_tokens=ctx["gen"]["max_tokens"], temperature=VAL_TEMPERATURE, seed=0))
+    prompts, bs = prompts_for(ctx["model_dir"], rows), ctx["val_batch_size"]  # grpo.val_batch_size prompts per call
+    outs = []
+    for i in range(0, len(prompts), bs):
+        outs += ray.get(actor(ctx["rollout"]).generate.remote(
+            prompts[i:i + bs], n=1, max_tokens=ctx["gen"]["max_tokens"], temperature=VAL_TEMPERATURE, seed=i))
     texts = [o["samples"][0]["text"] for o in outs]
     correct = [math_reward(t, r["answer"]) for t, r in zip(texts, rows, strict=True)]
     lengths = [len(o["samples"][0]["token_ids"]) for o in outs]

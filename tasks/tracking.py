@@ -86,6 +86,8 @@ def finish_run(uri: str | None, run_id: str | None, *, status: str, summary: dic
     c.log_text(run_id, json.dumps(summary, indent=1, default=str), "summary.json")
     plot = None
     try:
+        if not plot_keys:  # logger.plot: false
+            return None
         import matplotlib
 
         matplotlib.use("Agg")

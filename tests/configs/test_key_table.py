@@ -1,0 +1,153 @@
+"""Every schema key is honoured or rejected: a key-by-key table of the schema, each key with the file that reads it
+and the expression that reads it there. Adding a key without a reader, or deleting the code that reads one, fails
+here. Keys that the schema only accepts at one value (``reject``) are tested to fail with their dotted path."""
+from pathlib import Path
+
+import pytest
+
+from configs.schema import Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "configs" / "tiny_bf16.yaml"
+
+# key -> (file that reads it, text that must appear in that file)
+READERS = {
+    "run_dir": ("flows/grpo.py", "cfg.run_dir"),
+    "recipe": ("tasks/tracking.py", "cfg.recipe"),
+    "policy.model_name": ("flows/grpo.py", "cfg.policy.model_name"),
+    "policy.tokenizer_name": ("configs/schema.py", "p.tokenizer_name"),  # only null / = model_name (rejected else)
+    "policy.train_global_batch_size": ("workers/policy.py", ".train_global_batch_size"),
+    "policy.train_micro_batch_size": ("workers/policy.py", ".train_micro_batch_size"),
+    "policy.logprob_batch_size": ("workers/policy.py", ".logprob_batch_size"),
+    "policy.max_total_sequence_length": ("configs/schema.py", "p.max_total_sequence_length"),  # checked at load
+    "policy.precision": ("workers/policy.py", "policy.precision"),
+    "policy.max_grad_norm": ("workers/policy.py", ".max_grad_norm"),
+    "policy.optimizer.lr": ("workers/policy.py", "o.lr"),
+    "policy.optimizer.weight_decay": ("workers/policy.py", "o.weight_decay"),
+    "policy.optimizer.betas": ("workers/policy.py", "o.betas"),
+    "policy.optimizer.eps": ("workers/policy.py", "o.eps"),
+    "policy.scheduler.warmup_steps": ("workers/policy.py", "s.warmup_steps"),
+    "policy.scheduler.decay": ("workers/policy.py", "s.decay"),
+    "policy.scheduler.min_lr_ratio": ("workers/policy.py", "s.min_lr_ratio"),
+    "policy.megatron_cfg.enabled": ("configs/schema.py", "p.megatron_cfg.enabled"),  # only false
+    "policy.megatron_cfg.fp8_cfg.enabled": ("configs/schema.py", "f8.enabled"),
+    "policy.megatron_cfg.fp8_cfg.fp8": ("configs/schema.py", "fmt=f8.fp8"),
+    "policy.megatron_cfg.fp8_cfg.fp8_recipe": ("configs/schema.py", "recipe=f8.fp8_recipe"),
+    "policy.megatron_cfg.fp8_cfg.fp8_param": ("configs/schema.py", "f8.fp8_param"),  # only false
+    "policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16": ("configs/schema.py", "f8.num_first_layers_in_bf16"),
+    "policy.megatron_cfg.fp8_cfg.num_last_layers_in_bf16": ("configs/schema.py", "f8.num_last_layers_in_bf16"),
+    "policy.megatron_cfg.fp8_cfg.pow2_weight_scaling_factors": ("configs/schema.py", "f8.pow2_weight_scaling_factors"),
+    "policy.megatron_cfg.fp8_cfg.pow2_activation_scaling_factors": (
+        "configs/schema.py", "f8.pow2_activation_scaling_factors"),
+    "policy.megatron_cfg.fp8_cfg.backend": ("configs/schema.py", "backend=f8.backend"),
+    "policy.generation.backend": ("configs/schema.py", 'backend: Literal["vllm"]'),  # the only engine
+    "policy.generation.max_new_tokens": ("flows/grpo.py", "gen.max_new_tokens"),
+    "policy.generation.temperature": ("flows/grpo.py", "gen.temperature"),
+    "policy.generation.top_p": ("flows/grpo.py", "gen.top_p"),
+    "policy.generation.top_k": ("configs/schema.py", "p.generation.top_k"),  # only null / -1
+    "policy.generation.vllm_cfg.precision": ("workers/cluster.py", "vc.precision"),
+    "policy.generation.vllm_cfg.kv_cache_dtype": ("workers/cluster.py", "vc.kv_cache_dtype"),
+    "policy.generation.vllm_cfg.fp8_recipe": ("configs/schema.py", "_ROLLOUT_FP8_KEYS"),
+    "policy.generation.vllm_cfg.num_first_layers_in_bf16": ("configs/schema.py", "_ROLLOUT_FP8_KEYS"),
+    "policy.generation.vllm_cfg.num_last_layers_in_bf16": ("configs/schema.py", "_ROLLOUT_FP8_KEYS"),
+    "policy.generation.vllm_cfg.pow2_weight_scaling_factors": ("configs/schema.py", "_ROLLOUT_FP8_KEYS"),
+    "policy.generation.vllm_cfg.pow2_activation_scaling_factors": ("configs/schema.py", "_ROLLOUT_FP8_KEYS"),
+    "policy.generation.vllm_cfg.max_model_len": ("workers/cluster.py", "vc.max_model_len"),
+    "policy.generation.vllm_cfg.tensor_parallel_size": ("configs/schema.py", "vc.tensor_parallel_size"),  # only 1
+    "policy.generation.vllm_cfg.gpu_memory_utilization": ("workers/cluster.py", "vc.gpu_memory_utilization"),
+    "policy.generation.vllm_cfg.kv_cache_memory_bytes": ("workers/cluster.py", "vc.kv_cache_memory_bytes"),
+    "policy.generation.vllm_cfg.enforce_eager": ("workers/cluster.py", "vc.enforce_eager"),
+    "policy.generation.vllm_cfg.use_deep_gemm": ("configs/schema.py", "vc.use_deep_gemm"),  # only false
+    "policy.generation.vllm_cfg.threads": ("workers/cluster.py", "vllm_cfg.threads"),
+    "policy.threads": ("workers/cluster.py", "cfg.policy.threads"),
+    "loss_fn.ratio_clip_min": ("workers/policy.py", "lf.ratio_clip_min"),
+    "loss_fn.ratio_clip_max": ("workers/policy.py", "lf.ratio_clip_max"),
+    "loss_fn.ratio_clip_c": ("workers/policy.py", "lf.ratio_clip_c"),
+    "loss_fn.token_level_loss": ("workers/policy.py", "lf.token_level_loss"),
+    "loss_fn.reference_policy_kl_penalty": ("configs/schema.py", "lf.reference_policy_kl_penalty"),  # only 0
+    "loss_fn.use_importance_sampling_correction": ("workers/policy.py", "lf.use_importance_sampling_correction"),
+    "loss_fn.importance_sampling": ("workers/policy.py", "lf.importance_sampling"),
+    "loss_fn.is_truncation": ("workers/policy.py", "lf.is_truncation"),
+    "loss_fn.is_mask_low": ("workers/policy.py", "lf.is_mask_low"),
+    "loss_fn.is_mask_high": ("workers/policy.py", "lf.is_mask_high"),
+    "grpo.num_prompts_per_step": ("flows/grpo.py", "cfg.grpo.num_prompts_per_step"),
+    "grpo.num_generations_per_prompt": ("flows/grpo.py", "cfg.grpo.num_generations_per_prompt"),
+    "grpo.max_num_steps": ("flows/grpo.py", "cfg.grpo.max_num_steps"),
+    "grpo.normalize_rewards": ("workers/policy.py", "g.normalize_rewards"),
+    "grpo.use_leave_one_out_baseline": ("workers/policy.py", "g.use_leave_one_out_baseline"),
+    "grpo.val_period": ("flows/grpo.py", "cfg.grpo.val_period"),
+    "grpo.val_at_start": ("flows/grpo.py", "cfg.grpo.val_at_start"),
+    "grpo.max_val_samples": ("flows/grpo.py", "cfg.grpo.max_val_samples"),
+    "grpo.val_batch_size": ("flows/grpo.py", "cfg.grpo.val_batch_size"),
+    "grpo.seed": ("flows/grpo.py", "cfg.grpo.seed"),
+    "calibration.kv_scales_period": ("flows/grpo.py", "cfg.calibration.kv_scales_period"),
+    "calibration.kv_calibration_samples": ("flows/grpo.py", "cfg.calibration.kv_calibration_samples"),
+    "calibration.calibrated_clipping": ("workers/policy.py", "cal.calibrated_clipping"),
+    "calibration.clip_period": ("workers/policy.py", "cal.clip_period"),
+    "calibration.clip_low_range": ("workers/policy.py", "cal.clip_low_range"),
+    "calibration.clip_high_range": ("workers/policy.py", "cal.clip_high_range"),
+    "calibration.clip_search_step": ("workers/policy.py", "cal.clip_search_step"),
+    "calibration.clip_max_delta_low": ("workers/policy.py", "cal.clip_max_delta_low"),
+    "calibration.clip_max_delta_high": ("workers/policy.py", "cal.clip_max_delta_high"),
+    "calibration.clip_init_low": ("workers/policy.py", "cal.clip_init_low"),
+    "calibration.clip_init_high": ("workers/policy.py", "cal.clip_init_high"),
+    "data.train_path": ("flows/grpo.py", "cfg.data.train_path"),
+    "data.validation_path": ("flows/grpo.py", "cfg.data.validation_path"),
+    "data.question_key": ("workers/data.py", ".question_key"),
+    "data.answer_key": ("workers/data.py", ".answer_key"),
+    "data.max_input_seq_length": ("configs/schema.py", "c.data.max_input_seq_length"),  # checked at load
+    "data.shuffle": ("workers/data.py", ".shuffle"),
+    "data.s3_endpoint_url": ("workers/data.py", ".s3_endpoint_url"),
+    "checkpointing.enabled": ("flows/grpo.py", "ck.enabled"),
+    "checkpointing.checkpoint_dir": ("flows/grpo.py", "ck.checkpoint_dir"),
+    "checkpointing.save_period": ("flows/grpo.py", "ck_cfg.save_period"),
+    "checkpointing.resume": ("flows/grpo.py", "ck_cfg.resume"),
+    "checkpointing.keep_last_k": ("flows/grpo.py", "ck_cfg.keep_last_k"),
+    "checkpointing.s3_endpoint_url": ("flows/grpo.py", "ck_cfg.s3_endpoint_url"),
+    "logger.mlflow_enabled": ("flows/grpo.py", "cfg.logger.mlflow_enabled"),
+    "logger.mlflow.experiment_name": ("tasks/tracking.py", "cfg.logger.mlflow.experiment_name"),
+    "logger.mlflow.run_name": ("tasks/tracking.py", "cfg.logger.mlflow.run_name"),
+    "logger.mlflow.tracking_uri": ("tasks/tracking.py", "cfg.logger.mlflow.tracking_uri"),
+    "logger.num_val_samples_to_print": ("flows/grpo.py", "cfg.logger.num_val_samples_to_print"),
+    "logger.plot": ("flows/grpo.py", "cfg.logger.plot"),
+    "ray.address": ("workers/cluster.py", "cfg.ray.address"),
+    "ray.num_cpus": ("workers/cluster.py", "cfg.ray.num_cpus"),
+    "ray.policy_worker.num_cpus": ("workers/cluster.py", "pw.num_cpus"),
+    "ray.policy_worker.num_gpus": ("workers/cluster.py", "pw.num_gpus"),
+    "ray.rollout_worker.num_cpus": ("workers/cluster.py", "rw.num_cpus"),
+    "ray.rollout_worker.num_gpus": ("workers/cluster.py", "rw.num_gpus"),
+    "cluster.num_nodes": ("configs/schema.py", "c.cluster.num_nodes"),  # consistency with ray.* checked at load
+    "cluster.gpus_per_node": ("configs/schema.py", "c.cluster.gpus_per_node"),
+    "bootstrap.assets_dir": ("flows/grpo.py", "cfg.bootstrap.assets_dir"),
+    "bootstrap.sft_steps": ("flows/grpo.py", "cfg.bootstrap.sft_steps"),
+}
+
+# keys accepted at one value only: (override that must fail, with this dotted path)
+REJECTED = [
+    ("policy.tokenizer_name=other/tok", "policy.tokenizer_name"),
+    ("policy.megatron_cfg.enabled=true", "policy.megatron_cfg.enabled"),
+    ("policy.megatron_cfg.fp8_cfg.enabled=true,policy.megatron_cfg.fp8_cfg.fp8_param=true",
+     "policy.megatron_cfg.fp8_cfg.fp8_param"),
+    ("policy.generation.backend=sglang", "policy.generation.backend"),
+    ("policy.generation.top_k=20", "policy.generation.top_k"),
+    ("policy.generation.vllm_cfg.tensor_parallel_size=2", "policy.generation.vllm_cfg.tensor_parallel_size"),
+    ("policy.generation.vllm_cfg.use_deep_gemm=true", "policy.generation.vllm_cfg.use_deep_gemm"),
+    ("loss_fn.reference_policy_kl_penalty=0.1", "loss_fn.reference_policy_kl_penalty"),
+    ("cluster.num_nodes=2", "cluster.num_nodes"),
+    ("ray.rollout_worker.num_gpus=1", "cluster.gpus_per_node"),
+]
+
+
+def test_every_schema_key_has_a_reader():
+    keys = set(Config().flat())
+    assert sorted(keys - set(READERS)) == [], "schema keys without a reader in the table"
+    assert sorted(set(READERS) - keys) == [], "table rows for keys the schema does not have"
+    for key, (path, text) in READERS.items():
+        assert text in (ROOT / path).read_text(), f"{key}: {path} no longer contains {text!r}"
+
+
+@pytest.mark.parametrize("override, path", REJECTED)
+def test_single_value_keys_reject_other_values(override, path):
+    with pytest.raises(ConfigError) as e:
+        load_config(RECIPE, override.split(","))
+    assert str(e.value).startswith(path + ":"), str(e.value)
