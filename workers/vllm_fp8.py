@@ -154,9 +154,46 @@ class Fp8CoreConfig(QuantizationConfig):
         return Fp8CoreLinearMethod(self)
 
 
+def _scale_rows(granularity: str, widths: list[int], i: int) -> slice | int:
+    """Where partition ``i``'s scales sit in ``weight_scale_inv`` (rows for block128 / rowwise, an index for
+    tensorwise)."""
+    if granularity == "tensorwise":
+        return i
+    size = (lambda n: -(-n // GROUP)) if granularity == "block128" else (lambda n: n)
+    start = sum(size(n) for n in widths[:i])
+    return slice(start, start + size(widths[i]))
+
+
+def _scale_shape(granularity: str, widths: list[int], k: int) -> tuple[int, ...]:
+    if granularity == "tensorwise":
+        return (len(widths),)
+    if granularity == "rowwise":
+        return (sum(widths), 1)
+    return (sum(-(-n // GROUP) for n in widths), -(-k // GROUP))
+
+
+_SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
+
+
+def _scale_loader(layer: torch.nn.Module, granularity: str):
+    """Weight loader of ``weight_scale_inv``: one partition's scales (HF ``<proj>.weight_scale_inv``, shard id q/k/v
+    or 0/1 from vLLM's stacked-parameter mapping, none for unfused layers) into that partition's rows."""
+
+    def load(param: Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        i = 0 if shard_id is None else _SHARD_INDEX.get(shard_id, shard_id)
+        dst = param.data[_scale_rows(granularity, layer.logical_widths, i)]
+        if tuple(loaded.shape) != tuple(dst.shape):
+            raise ValueError(f"weight_scale_inv of partition {shard_id!r}: shape {tuple(loaded.shape)}, the "
+                             f"{granularity} layout needs {tuple(dst.shape)}")
+        dst.copy_(loaded.to(torch.float32))
+        layer.fp8core_scales_loaded.add(i)
+
+    return load
+
+
 class Fp8CoreLinearMethod(LinearMethodBase):
-    """Quantize at load/refit with fp8core (per logical partition, the recipe's weight granularity); run fp8core's
-    FP8 forward."""
+    """Quantize at load/refit with fp8core (per logical partition, the recipe's weight granularity), or take
+    pre-quantized FP8 codes + scales as they are; run fp8core's FP8 forward."""
 
     def __init__(self, config: Fp8CoreConfig):
         self.config = config
@@ -173,16 +210,36 @@ class Fp8CoreLinearMethod(LinearMethodBase):
             data=torch.empty(layer.output_size_per_partition, input_size_per_partition, dtype=torch.float32),
             input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.get("weight_loader"))
         layer.register_parameter("weight", weight)
+        # Pre-quantized checkpoints (an FP8 export, an FP8 refit) also bring ``<proj>.weight_scale_inv`` per
+        # partition; ``weight`` then stages the FP8 codes (exact in FP32) and nothing is re-quantized.
+        gran = self.config.weight_granularity
+        scale = Parameter(torch.ones(_scale_shape(gran, layer.logical_widths, input_size_per_partition),
+                                     dtype=torch.float32), requires_grad=False)
+        scale.weight_loader = _scale_loader(layer, gran)
+        layer.register_parameter("weight_scale_inv", scale)
+        layer.fp8core_scales_loaded = set()
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         w = layer.weight.data
         if w.dtype == torch.float8_e4m3fn:  # already processed (no new weights were loaded)
             return
+        loaded, layer.fp8core_scales_loaded = layer.fp8core_scales_loaded, set()
+        gran = self.config.weight_granularity
+        if loaded:  # FP8 codes + their scales: keep them bit for bit
+            if len(loaded) != len(layer.logical_widths):
+                raise ValueError(f"pre-quantized weights: scales for partitions {sorted(loaded)} of "
+                                 f"{len(layer.logical_widths)} were loaded; an FP8 checkpoint needs all of them")
+            data = w.to(torch.float8_e4m3fn)
+            if not torch.equal(data.to(torch.float32), w):
+                raise ValueError("pre-quantized weights: weight_scale_inv was given but the weight values are not "
+                                 "FP8 (e4m3) codes")
+            layer.weight = Parameter(data, requires_grad=False)
+            layer.weight_scale_inv = Parameter(layer.weight_scale_inv.data, requires_grad=False)
+            return
         datas, scales = [], []
         offset = 0
         for width in layer.logical_widths:
-            q = quantize(w[offset:offset + width], self.config.weight_granularity, fmt="e4m3",
-                         pow2=self.config.pow2_weight)
+            q = quantize(w[offset:offset + width], gran, fmt="e4m3", pow2=self.config.pow2_weight)
             datas.append(q.data)
             scales.append(q.scale.reshape(1) if q.scale.dim() == 0 else q.scale)
             offset += width
@@ -192,18 +249,10 @@ class Fp8CoreLinearMethod(LinearMethodBase):
     def partitions(self, layer: torch.nn.Module) -> list[QuantizedTensor]:
         """The layer's FP8 weight as one QuantizedTensor per logical partition (views, no copies)."""
         gran = self.config.weight_granularity
-        out, row, srow = [], 0, 0
+        out, row = [], 0
         for i, width in enumerate(layer.logical_widths):
-            data = layer.weight[row:row + width]
-            if gran == "block128":
-                nblk = -(-width // GROUP)
-                scale = layer.weight_scale_inv[srow:srow + nblk]
-                srow += nblk
-            elif gran == "rowwise":
-                scale = layer.weight_scale_inv[row:row + width]
-            else:
-                scale = layer.weight_scale_inv[i]
-            out.append(QuantizedTensor(data, scale, gran, "e4m3"))
+            scale = layer.weight_scale_inv[_scale_rows(gran, layer.logical_widths, i)]
+            out.append(QuantizedTensor(layer.weight[row:row + width], scale, gran, "e4m3"))
             row += width
         return out
 
