@@ -1,0 +1,37 @@
+"""What a serving engine holds for a model trained with FP8 linears: the *served* state dict.
+
+For every :class:`fp8core.linear.FP8Linear` the forward weight quantization of its recipe
+(``FP8Linear.quantized_weight()``: E4M3 codes + FP32 dequantization scales) under the Hugging Face names
+``<module>.weight`` (float8_e4m3fn) and ``<module>.weight_scale_inv`` (FP32; shape per recipe: block128
+``[ceil(N/128), ceil(K/128)]``, rowwise ``[N, 1]``, tensorwise ``[]``) -- vLLM's name for a dequantization scale.
+Every other tensor (embeddings, norms, lm_head, biases, BF16-kept layers) in ``hp_dtype``.
+
+The rollout engine loads this without re-quantizing (FP8 over the wire at refit; an exported FP8 checkpoint), so
+it holds exactly the trainer's quantization: half the bytes of a BF16 refit for the FP8 layers, and no second
+quantizer that could drift from the trainer's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fp8core.linear import FP8Linear
+
+__all__ = ["SCALE_SUFFIX", "served_state_dict"]
+
+SCALE_SUFFIX = "_scale_inv"  # <module>.weight -> <module>.weight_scale_inv
+
+
+@torch.no_grad()
+def served_state_dict(model: nn.Module, *, hp_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """HF-named CPU tensors: FP8 codes + scales for the FP8 linears' weights, ``hp_dtype`` copies for the rest."""
+    fp8 = {f"{name}.weight": m.quantized_weight() for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        q = fp8.get(name)
+        if q is None:
+            out[name] = t.detach().to("cpu", hp_dtype).clone()
+        else:
+            out[name] = q.data.detach().cpu().clone()
+            out[name + SCALE_SUFFIX] = q.scale.detach().cpu().clone()
+    return out
