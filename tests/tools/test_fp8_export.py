@@ -1,0 +1,118 @@
+"""FP8 checkpoint export: a pipeline checkpoint (PolicyWorker.save_checkpoint with the run's rollout FP8 spec) ->
+``python -m tools.fp8_export export`` -> an HF directory that the CPU rollout engine loads through the fp8core method
+with no refit, generating the same tokens and logprobs as an engine refit from the trainer; the vLLM-native
+block-FP8 layout passes vLLM's own Fp8Config parsing and layer mapping."""
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs.schema import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "runs" / "test-env" / "models"
+
+pytestmark = pytest.mark.slow  # vLLM engines
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A checkpoint of an FP8 policy whose masters are off the BF16 grid (as after training)."""
+    from workers.mismatch import quick_sft_model
+    from workers.policy import PolicyWorker
+
+    model_dir = quick_sft_model(MODELS)
+    tmp = tmp_path_factory.mktemp("export")
+    cfg = load_config(ROOT / "configs" / "tiny_fp8_e2e.yaml", [
+        "policy.precision=float32", "policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16=1",
+        "policy.megatron_cfg.fp8_cfg.pow2_weight_scaling_factors=true",
+        "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={tmp / 'run'}"])
+    policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 1e-3 * p.std().clamp_min(1e-3))
+    uri = policy.save_checkpoint(str(tmp / "ck"), 5, extra={"rollout_fp8_spec": asdict(cfg.rollout_fp8_spec())})
+    return {"cfg": cfg, "policy": policy, "model_dir": model_dir, "uri": uri, "tmp": tmp}
+
+
+def _generate(model_dir, cfg, run_dir, weights=None):
+    import random
+
+    from workers.cluster import rollout_config
+    from workers.math_task import make_problem
+    from workers.rollout import RolloutWorker
+    from workers.tiny_model import chat_prompt
+
+    engine = RolloutWorker(model_dir, rollout_config(cfg), run_dir=run_dir)
+    try:
+        if weights is not None:
+            engine.refit(weights)
+        rng = random.Random(1)
+        prompts = [chat_prompt(engine.tokenizer, make_problem(rng)["question"]) for _ in range(4)]
+        return engine.generate(prompts, n=2, max_tokens=16, temperature=1.0, seed=3)
+    finally:
+        engine.shutdown()
+
+
+def test_export_round_trips_through_the_engine_without_refit(trained):
+    from tools.fp8_export import main
+
+    out = trained["tmp"] / "fp8-export"
+    assert main(["export", trained["uri"], str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "fp8core"
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("model.layers.1.self_attn.q_proj.weight").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.bfloat16  # BF16 first layer
+    assert "model.layers.1.mlp.down_proj.weight_scale_inv" in names
+    assert "model.layers.0.mlp.down_proj.weight_scale_inv" not in names
+    refit = _generate(trained["model_dir"], trained["cfg"], trained["tmp"] / "e1", trained["policy"].weights())
+    loaded = _generate(out, trained["cfg"], trained["tmp"] / "e2")
+    assert [[s["token_ids"] for s in r["samples"]] for r in loaded] == \
+        [[s["token_ids"] for s in r["samples"]] for r in refit]
+    assert [[s["logprobs"] for s in r["samples"]] for r in loaded] == \
+        [[s["logprobs"] for s in r["samples"]] for r in refit]
+
+
+def test_vllm_native_layout_parses_with_vllms_fp8config(trained):
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+
+    from tools.fp8_export import export
+
+    out = export(trained["uri"], trained["tmp"] / "native", layout="vllm")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    fc = Fp8Config.from_config(qc)
+    assert fc.is_checkpoint_fp8_serialized and fc.weight_block_size == [128, 128]
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    for i in range(4):
+        for prefix in (f"model.layers.{i}.self_attn.qkv_proj", f"model.layers.{i}.mlp.down_proj"):
+            assert is_layer_skipped(prefix, fc.ignored_layers, fused_mapping=packed) == (i == 0), prefix
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        w = f.get_tensor("model.layers.2.mlp.gate_proj.weight")
+        s = f.get_tensor("model.layers.2.mlp.gate_proj.weight_scale_inv")
+    assert w.dtype == torch.float8_e4m3fn and s.shape == (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+
+
+def test_export_bad_input_names_it(trained, tmp_path, capsys):
+    from tools.fp8_export import main
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    assert main(["export", trained["uri"], str(tmp_path / "full")]) == 2
+    assert "OUT" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "o")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    from fp8core.spec import FP8Spec
+    from tools.fp8_export import quantization_config
+
+    with pytest.raises(ValueError, match="rowwise"):
+        quantization_config(FP8Spec(recipe="rowwise"), 4, "vllm")

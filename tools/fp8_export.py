@@ -1,0 +1,143 @@
+"""Export the FP8 weights that were served during RL as a Hugging Face model directory.
+
+    python -m tools.fp8_export export CHECKPOINT OUT [--recipe configs/<recipe>.yaml [key=value ...]]
+                                                     [--layout fp8core|vllm] [--endpoint-url URL]
+
+``CHECKPOINT`` is a checkpoint directory of a run (``<checkpoint_dir>/step_000020``, local, ``file://`` or
+``s3://``) or the checkpoint root (the latest complete step is taken). The FP8 numerics come from the checkpoint's
+``trainer_state.json`` (``rollout_fp8_spec``, written by the pipeline) or, for older checkpoints, from ``--recipe``
+(its ``rollout_fp8_spec``). The FP32 masters of the checkpoint are quantized once, exactly as the trainer's
+``FP8Linear`` and the rollout engine do (``fp8core.serve.served_state_dict``), and written with:
+
+* ``--layout fp8core`` (default): ``quantization_config`` of this project's vLLM method (``workers.vllm_fp8``; every
+  recipe). vLLM with that method loads the FP8 codes + ``weight_scale_inv`` as they are (no re-quantization), so the
+  engine serves exactly what the trainer trained against -- tested: same tokens and logprobs as an engine refit
+  from the trainer.
+* ``--layout vllm``: vLLM's native block-FP8 layout (``quant_method: fp8``, ``weight_block_size: [128, 128]``,
+  ``weight_scale_inv``, BF16-kept layers in ``ignored_layers``), blockwise recipes only, for GPU serving with vLLM's
+  own kernels. Those quantize activations with their own kernel, so serving is close to, not bit-identical with,
+  the trainer's numerics; vLLM's CPU build cannot run it (its FP8 ops are CUDA kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+LAYOUTS = ("fp8core", "vllm")
+
+
+def _split_checkpoint(uri: str) -> tuple[str, int | None]:
+    import re
+
+    m = re.search(r"^(.*)/step_(\d{6,})/?$", uri)
+    return (m.group(1), int(m.group(2))) if m else (uri.rstrip("/"), None)
+
+
+def quantization_config(spec, num_hidden_layers: int, layout: str) -> dict:
+    """The ``quantization_config`` entry of the exported config.json."""
+    if layout == "fp8core":
+        from workers.vllm_fp8 import quantization_config_dict
+
+        return quantization_config_dict(
+            num_hidden_layers=num_hidden_layers, fp8_recipe=spec.recipe,
+            num_first_layers_in_bf16=spec.num_first_layers_in_bf16,
+            num_last_layers_in_bf16=spec.num_last_layers_in_bf16, pow2_weight_scaling_factors=spec.pow2_weight,
+            pow2_activation_scaling_factors=spec.pow2_activation)
+    if spec.recipe != "blockwise":
+        raise ValueError(f"--layout vllm: vLLM's native FP8 layout here is block FP8 (128x128); the checkpoint's "
+                         f"recipe is {spec.recipe!r} (use --layout fp8core)")
+    kept = sorted(set(range(num_hidden_layers)) - set(spec.layer_indices(num_hidden_layers)))
+    ignored = [f"model.layers.{i}.{sub}.{proj}" for i in kept for sub, projs in
+               (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj",
+                                                                                  "down_proj")))
+               for proj in projs]
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
+            "ignored_layers": ignored}
+
+
+def export(checkpoint: str, out: str | Path, *, layout: str = "fp8core", recipe: str | None = None,
+           overrides: list[str] | None = None, endpoint_url: str | None = None) -> Path:
+    """Write the served FP8 model of ``checkpoint`` to ``out``; returns ``out``. Errors name the input at fault."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from fp8core.convert import convert_to_fp8
+    from fp8core.serve import served_state_dict
+    from fp8core.spec import FP8Spec
+    from workers.checkpoint import CheckpointStore
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"--layout {layout!r}: not one of {LAYOUTS}")
+    root, step = _split_checkpoint(str(checkpoint))
+    store = CheckpointStore(root, endpoint_url=endpoint_url)
+    if step is None:
+        step = store.latest_step()
+        if step is None:
+            raise ValueError(f"CHECKPOINT {checkpoint}: no complete checkpoint there")
+    state = store.load_state(step)
+    if state.get("rollout_fp8_spec"):
+        spec = FP8Spec(**state["rollout_fp8_spec"])
+    elif recipe:
+        from configs.schema import load_config
+
+        spec = load_config(recipe, overrides or []).rollout_fp8_spec()
+        if spec is None:
+            raise ValueError(f"--recipe {recipe}: policy.generation.vllm_cfg.precision is not fp8; nothing to export")
+    else:
+        raise ValueError(f"CHECKPOINT {store.step_uri(step)}: trainer_state.json has no rollout_fp8_spec (an older "
+                         "checkpoint); pass --recipe with the run's recipe")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"OUT {out}: exists and is not empty")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = store.download_model(step, tmp)
+        cfg = json.loads((src / "config.json").read_text())
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+        convert_to_fp8(model, spec.linear_config(), num_first_layers_in_bf16=spec.num_first_layers_in_bf16,
+                       num_last_layers_in_bf16=spec.num_last_layers_in_bf16)
+        weights = served_state_dict(model, hp_dtype=torch.bfloat16)
+        cfg["quantization_config"] = quantization_config(spec, int(cfg["num_hidden_layers"]), layout)
+        cfg["dtype"] = "bfloat16"
+        out.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file() and f.name not in ("model.safetensors", "config.json", "manifest.json"):
+                shutil.copy2(f, out / f.name)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt", "fp8_grpo_spec": json.dumps(asdict(spec)),
+                            "fp8_grpo_checkpoint": store.step_uri(step)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.fp8_export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="write the served FP8 weights of a checkpoint as an HF model dir")
+    ex.add_argument("checkpoint")
+    ex.add_argument("out")
+    ex.add_argument("--layout", choices=LAYOUTS, default="fp8core")
+    ex.add_argument("--recipe", help="the run's recipe (only for checkpoints without rollout_fp8_spec)")
+    ex.add_argument("overrides", nargs="*", help="recipe overrides key=value (with --recipe)")
+    ex.add_argument("--endpoint-url", help="S3 endpoint for s3:// checkpoints (credentials from the environment)")
+    args = ap.parse_args(argv)
+    from workers.checkpoint import CheckpointError
+
+    try:
+        out = export(args.checkpoint, args.out, layout=args.layout, recipe=args.recipe, overrides=args.overrides,
+                     endpoint_url=args.endpoint_url)
+    except (ValueError, CheckpointError) as e:
+        print(f"fp8_export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {out} ({args.layout} layout)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
