@@ -189,8 +189,12 @@ class CalibrationCfg:
 
 @dataclass(frozen=True)
 class DataCfg:
-    """Train / validation files (jsonl or parquet, file:// or s3://). ``embedded`` = the synthetic math task."""
+    """Train / validation files (jsonl or parquet, file:// or s3://). ``embedded`` = the synthetic task named by
+    ``task``, which also picks the verifier (workers/verifiers.py): ``addition`` (default; column-by-column scratchpad,
+    strict ``\\boxed{}`` at the end) or ``arithmetic`` (one-fact word problems; also the GSM8K / OpenMathInstruct
+    verifier: last ``\\boxed{}`` or last number)."""
 
+    task: Literal["addition", "arithmetic"] = "addition"
     train_path: str = EMBEDDED
     validation_path: str = EMBEDDED
     question_key: str = "question"

@@ -1,5 +1,6 @@
-"""Flow ``bootstrap-tiny``: the embedded default's assets (synthetic math splits + tiny Qwen3 + SFT warm start), built
-once and cached under ``assets_dir`` (workers/bootstrap.py does the work; a second call returns at once)."""
+"""Flow ``bootstrap-tiny``: the embedded default's assets (synthetic task splits + tiny Qwen3 + SFT warm start), built
+once and cached under ``assets_dir`` (workers/bootstrap.py does the work; a second call returns at once). ``task``
+is ``data.task``: ``addition`` (default) or ``arithmetic``."""
 
 from __future__ import annotations
 
@@ -10,17 +11,18 @@ from prefect.cache_policies import NO_CACHE
 
 
 @task(name="ensure-default-assets", cache_policy=NO_CACHE)
-def ensure_assets(assets_dir: str, sft_steps: int | None, seed: int) -> dict[str, str]:
-    from workers.bootstrap import SFTConfig, ensure_default_assets
+def ensure_assets(assets_dir: str, sft_steps: int | None, seed: int, data_task: str) -> dict[str, str]:
+    from workers.bootstrap import default_sft, ensure_default_assets
 
-    sft = SFTConfig(seed=seed) if sft_steps is None else SFTConfig(steps=sft_steps, seed=seed)
-    out = ensure_default_assets(Path(assets_dir), sft=sft)
+    sft = default_sft(data_task, seed=seed, steps=sft_steps)
+    out = ensure_default_assets(Path(assets_dir), task=data_task, sft=sft)
     return {k: str(v) for k, v in out.items()}
 
 
 @flow(name="bootstrap-tiny", log_prints=True)
-def bootstrap_flow(assets_dir: str = "runs/assets", sft_steps: int | None = None, seed: int = 0) -> dict[str, str]:
-    return ensure_assets(assets_dir, sft_steps, seed)
+def bootstrap_flow(assets_dir: str = "runs/assets", sft_steps: int | None = None, seed: int = 0,
+                   data_task: str = "addition") -> dict[str, str]:
+    return ensure_assets(assets_dir, sft_steps, seed, data_task)
 
 
 if __name__ == "__main__":

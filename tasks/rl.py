@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.tracking import log_metrics
 from workers.cluster import actor
-from workers.math_task import reward as math_reward
+from workers.verifiers import verify
 
 TASK = dict(cache_policy=NO_CACHE, log_prints=False)
 VAL_TEMPERATURE = 0.01  # near-greedy: vLLM clamps smaller temperatures to 0.01 and the worker rejects 0
@@ -59,15 +59,22 @@ def rollout(ctx: dict, rows: list[dict], step: int) -> tuple[ray.ObjectRef, dict
                  "rollout/generated_tokens": float(stats["last_generated_tokens"])}
 
 
+def _verify(row: dict, text: str) -> tuple[bool, bool]:
+    """(format_valid, correct) with the verifier of the row's task (``data.task``; rows without one: arithmetic)."""
+    return verify(row.get("task", "arithmetic"), text, row["answer"])
+
+
 @task(name="reward", **TASK)
 def reward(ref: ray.ObjectRef, rows: list[dict]) -> tuple[list[float], dict]:
-    """Verifier reward (final \\boxed{} / last number vs the reference answer), prompt-major order."""
+    """Verifier reward (1.0 when the response's final answer is correct), prompt-major order, and the share of
+    responses whose answer is in the task's expected form (``reward/format_valid``)."""
     t0 = time.perf_counter()
     outs = ray.get(ref)
-    rewards = [math_reward(s["text"], row["answer"]) for out, row in zip(outs, rows, strict=True)
-               for s in out["samples"]]
+    checks = [_verify(row, s["text"]) for out, row in zip(outs, rows, strict=True) for s in out["samples"]]
+    rewards = [1.0 if correct else 0.0 for _, correct in checks]
     truncated = sum(s["finish_reason"] == "length" for out in outs for s in out["samples"])
-    return rewards, {"time/reward_s": time.perf_counter() - t0, "rollout/truncated_frac": truncated / len(rewards)}
+    return rewards, {"time/reward_s": time.perf_counter() - t0, "rollout/truncated_frac": truncated / len(rewards),
+                     "reward/format_valid": sum(f for f, _ in checks) / len(checks)}
 
 
 @task(name="train", **TASK)
@@ -107,9 +114,11 @@ def validate(ctx: dict, rows: list[dict], step: int, *, num_samples_to_keep: int
         outs += ray.get(actor(ctx["rollout"]).generate.remote(
             prompts[i:i + bs], n=1, max_tokens=ctx["gen"]["max_tokens"], temperature=VAL_TEMPERATURE, seed=i))
     texts = [o["samples"][0]["text"] for o in outs]
-    correct = [math_reward(t, r["answer"]) for t, r in zip(texts, rows, strict=True)]
+    checks = [_verify(r, t) for t, r in zip(texts, rows, strict=True)]
+    correct = [c for _, c in checks]
     lengths = [len(o["samples"][0]["token_ids"]) for o in outs]
-    m = {"val/accuracy": sum(correct) / len(correct), "val/response_length_mean": sum(lengths) / len(lengths),
+    m = {"val/accuracy": sum(correct) / len(correct), "val/format_valid": sum(f for f, _ in checks) / len(checks),
+         "val/response_length_mean": sum(lengths) / len(lengths),
          "val/num_samples": float(len(rows)), "time/validate_s": time.perf_counter() - t0}
     log_metrics(ctx["tracking_uri"], ctx["run_id"], m, step)
     samples = [{"question": r["question"], "answer": r["answer"], "response": t, "correct": bool(c)}

@@ -1,12 +1,19 @@
 """Embedded-default assets: synthetic data splits + tiny Qwen3 + a short supervised (SFT) warm start, cached on disk.
 
+Two embedded tasks (``data.task``): ``addition`` (the default, workers/addition_task.py: a column-by-column
+scratchpad whose skill transfers across prompts) and ``arithmetic`` (workers/math_task.py: one fact per prompt).
+
 RL needs signal: a randomly initialised model never writes a correct answer, so every GRPO group would have equal
 rewards and zero advantages. ``sft_bootstrap`` teaches the answer format and some arithmetic on the train split
 (loss on the assistant tokens only), deliberately short so validation accuracy stays well below 100% and RL has room
 to improve it.
 
-``ensure_default_assets(root)`` is idempotent: each artifact is written to a temporary name and renamed when complete,
-and a finished SFT model is reused when its recipe (steps, seed, lr, batch size) matches.
+``ensure_default_assets(root, task=...)`` is idempotent: each artifact is written to a temporary name and renamed when
+complete, and a finished SFT model is reused when its recipe (steps, seed, lr, batch size) matches. Layout under
+``root``: ``arithmetic`` keeps the original one (``data/``, ``tiny-qwen3-base/``, ``tiny-qwen3-sft/``, retrained
+when the seed changes); ``addition`` lives under ``root/addition/`` with one SFT model per seed
+(``tiny-qwen3-sft-seed<k>/``), so runs with different seeds share the data and base model and never overwrite
+each other's warm start.
 """
 
 from __future__ import annotations
@@ -15,11 +22,15 @@ import json
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from workers.math_task import generate_splits, is_correct
+from workers import addition_task, math_task
 from workers.tiny_model import TinyModelSpec, build_tiny_model, chat_prompt
+from workers.verifiers import verify
+
+ADDITION_SFT_STEPS = 200
+ADDITION_SFT_LR = 3e-3
 
 
 @dataclass(frozen=True)
@@ -96,7 +107,8 @@ def sft_bootstrap(model_dir: str | Path, train_path: str | Path, out_dir: str | 
     return out
 
 
-def greedy_accuracy(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int = 24, batch_size: int = 64) -> float:
+def greedy_accuracy(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int = 24, batch_size: int = 64,
+                    task: str = "arithmetic") -> float:
     """Greedy-decoding accuracy of an HF model on rows with question/answer (a quick check; RL validation uses vLLM)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -113,24 +125,44 @@ def greedy_accuracy(model_dir: str | Path, rows: list[dict], *, max_new_tokens: 
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
-        correct += sum(is_correct(t, r["answer"]) for t, r in zip(texts, chunk, strict=True))
+        correct += sum(verify(task, t, r["answer"])[1] for t, r in zip(texts, chunk, strict=True))
     return correct / max(1, len(rows))
 
 
-def ensure_default_assets(root: str | Path, *, sft: SFTConfig | None = None, spec: TinyModelSpec | None = None,
-                          n_train: int = 4000, n_validation: int = 200, log=print) -> dict[str, Path]:
-    """Data splits + base tiny model + SFT warm start under ``root`` (reused when already complete)."""
+# Per-task SFT recipe (steps / lr / batch) when the config does not override it. ``addition``: deliberately short,
+# so the scratchpad procedure is only partly learned (greedy validation accuracy well below pass@8) and RL has a
+# transferable skill to sharpen.
+SFT_DEFAULTS = {"arithmetic": SFTConfig(), "addition": SFTConfig(steps=ADDITION_SFT_STEPS, lr=ADDITION_SFT_LR)}
+SPLIT_SIZES = {"arithmetic": (4000, 200), "addition": (20000, 500)}  # (train, validation) rows
+
+
+def default_sft(task: str, *, seed: int = 0, steps: int | None = None) -> SFTConfig:
+    """The SFT recipe of ``task`` with the run's seed (and ``bootstrap.sft_steps`` when set)."""
+    base = SFT_DEFAULTS[task]
+    return replace(base, seed=seed) if steps is None else replace(base, seed=seed, steps=steps)
+
+
+def ensure_default_assets(root: str | Path, *, task: str = "arithmetic", sft: SFTConfig | None = None,
+                          spec: TinyModelSpec | None = None, n_train: int | None = None,
+                          n_validation: int | None = None, log=print) -> dict[str, Path]:
+    """Data splits + base tiny model + SFT warm start of ``task`` under ``root`` (reused when already complete)."""
+    if task not in SFT_DEFAULTS:
+        raise ValueError(f"data.task: unknown embedded task {task!r} (one of {', '.join(SFT_DEFAULTS)})")
     root = Path(root)
-    sft = sft or SFTConfig()
+    sft = sft or SFT_DEFAULTS[task]
     spec = spec or TinyModelSpec()
-    data_dir = root / "data"
+    n_train = SPLIT_SIZES[task][0] if n_train is None else n_train
+    n_validation = SPLIT_SIZES[task][1] if n_validation is None else n_validation
+    task_root = root if task == "arithmetic" else root / task
+    data_dir = task_root / "data"
     splits = {name: data_dir / f"{name}.jsonl" for name in ("train", "validation")}
     if not all(p.exists() for p in splits.values()):
-        splits = generate_splits(data_dir, n_train=n_train, n_validation=n_validation, seed=spec.seed)
-    base = build_tiny_model(root / "tiny-qwen3-base", spec)
-    sft_dir = root / "tiny-qwen3-sft"
+        gen = math_task.generate_splits if task == "arithmetic" else addition_task.generate_splits
+        splits = gen(data_dir, n_train=n_train, n_validation=n_validation, seed=spec.seed)
+    base = build_tiny_model(task_root / "tiny-qwen3-base", spec)
+    sft_dir = task_root / ("tiny-qwen3-sft" if task == "arithmetic" else f"tiny-qwen3-sft-seed{sft.seed}")
     marker = sft_dir / ".complete"
     if not (marker.exists() and json.loads(marker.read_text()) == asdict(sft)):
-        log(f"bootstrap: SFT warm start of {base} ({sft.steps} steps) -> {sft_dir}")
+        log(f"bootstrap: SFT warm start of {base} on {task} ({sft.steps} steps) -> {sft_dir}")
         sft_bootstrap(base, splits["train"], sft_dir, sft, log=log)
     return {"model_dir": sft_dir, "base_model_dir": base, "train": splits["train"], "validation": splits["validation"]}

@@ -85,10 +85,13 @@ def load_split(path: str, *, question_key: str = "question", answer_key: str = "
     return ds
 
 
-def rows(ds, *, question_key: str, answer_key: str, indices) -> list[dict]:
-    """Rows as {'question', 'answer'} dicts (answers as strings) for the given indices."""
+def rows(ds, *, question_key: str, answer_key: str, indices, task: str | None = None) -> list[dict]:
+    """Rows as {'question', 'answer'} dicts (answers as strings) for the given indices; with ``task`` each row also
+    carries it (``data.task``: the verifier that scores its responses, workers/verifiers.py)."""
     sub = ds.select([int(i) for i in indices])
-    return [{"question": str(q), "answer": str(a)} for q, a in zip(sub[question_key], sub[answer_key], strict=True)]
+    extra = {} if task is None else {"task": task}
+    return [{"question": str(q), "answer": str(a), **extra}
+            for q, a in zip(sub[question_key], sub[answer_key], strict=True)]
 
 
 def step_indices(n_rows: int, *, step: int, num_prompts: int, seed: int, shuffle: bool = True) -> np.ndarray:
@@ -104,12 +107,13 @@ def step_indices(n_rows: int, *, step: int, num_prompts: int, seed: int, shuffle
 
 
 class PromptSource:
-    """Both splits of a run plus the chat-prompt construction (tokenizer chat template)."""
+    """Both splits of a run; rows carry ``task`` (``data.task``) so the reward and validation pick its verifier."""
 
-    def __init__(self, train, validation, *, question_key: str, answer_key: str, seed: int, shuffle: bool = True):
+    def __init__(self, train, validation, *, question_key: str, answer_key: str, seed: int, shuffle: bool = True,
+                 task: str = "arithmetic"):
         self.train, self.validation = train, validation
         self.question_key, self.answer_key = question_key, answer_key
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.task = seed, shuffle, task
 
     @classmethod
     def from_config(cls, data_cfg, *, train_path: str, validation_path: str, seed: int) -> PromptSource:
@@ -117,15 +121,17 @@ class PromptSource:
                   endpoint_url=data_cfg.s3_endpoint_url)
         return cls(load_split(train_path, **kw), load_split(validation_path, **kw),
                    question_key=data_cfg.question_key, answer_key=data_cfg.answer_key, seed=seed,
-                   shuffle=data_cfg.shuffle)
+                   shuffle=data_cfg.shuffle, task=data_cfg.task)
 
     def train_rows(self, step: int, num_prompts: int) -> list[dict]:
         idx = step_indices(len(self.train), step=step, num_prompts=num_prompts, seed=self.seed, shuffle=self.shuffle)
-        return rows(self.train, question_key=self.question_key, answer_key=self.answer_key, indices=idx)
+        return rows(self.train, question_key=self.question_key, answer_key=self.answer_key, indices=idx,
+                    task=self.task)
 
     def validation_rows(self, max_samples: int) -> list[dict]:
         n = min(max_samples, len(self.validation))
-        return rows(self.validation, question_key=self.question_key, answer_key=self.answer_key, indices=range(n))
+        return rows(self.validation, question_key=self.question_key, answer_key=self.answer_key, indices=range(n),
+                    task=self.task)
 
 
 def summary(ds_by_name: Mapping[str, object]) -> dict:

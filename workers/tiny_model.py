@@ -1,6 +1,6 @@
 """The embedded default model: a tiny Qwen3-architecture causal LM with a byte-level BPE tokenizer trained locally.
 
-Nothing is downloaded: the tokenizer is trained on the synthetic math task's text, the model is initialised from a
+Nothing is downloaded: the tokenizer is trained on the embedded tasks' text (arithmetic and addition), the model is initialised from a
 config, and both are saved in Hugging Face format (config.json + model.safetensors + tokenizer files with a Qwen-style
 chat template), so vLLM and transformers load it like any hub model. ``build_tiny_model`` is cached: a directory that
 already holds a complete model (its ``.complete`` marker is written last) is returned as is.
@@ -17,6 +17,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from workers import addition_task
 from workers.math_task import SYSTEM_PROMPT, make_problem
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
@@ -50,10 +51,12 @@ class TinyModelSpec:
 
 
 def _corpus(n: int, seed: int) -> list[str]:
+    """Chat-formatted text of both embedded tasks (one-fact arithmetic and scratchpad addition, alternating), so one
+    tokenizer serves either task."""
     rng = random.Random(seed + 1)
     lines = []
-    for _ in range(n):
-        row = make_problem(rng)
+    for i in range(n):
+        row = make_problem(rng) if i % 2 == 0 else addition_task.make_problem(rng)
         lines.append(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{row['question']}<|im_end|>\n"
                      f"<|im_start|>assistant\n{row['solution']}<|im_end|>\n")
     return lines

@@ -92,6 +92,7 @@ READERS = {
     "calibration.clip_init_low": ("workers/policy.py", "cal.clip_init_low"),
     "calibration.clip_init_high": ("workers/policy.py", "cal.clip_init_high"),
     "data.train_path": ("flows/grpo.py", "cfg.data.train_path"),
+    "data.task": ("workers/data.py", "data_cfg.task"),
     "data.validation_path": ("flows/grpo.py", "cfg.data.validation_path"),
     "data.question_key": ("workers/data.py", ".question_key"),
     "data.answer_key": ("workers/data.py", ".answer_key"),
