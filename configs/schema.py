@@ -2,8 +2,8 @@
 
 Key names follow the seed (NeMo RL's GRPO recipes) so its recipes read the same here:
 
-- ``policy.generation.vllm_cfg.{precision, kv_cache_dtype, kv_cache_impl, num_first_layers_in_bf16, num_last_layers_in_bf16,
-  pow2_weight_scaling_factors, pow2_activation_scaling_factors}``: the rollout engine (vLLM).
+- ``policy.generation.vllm_cfg.{precision, kv_cache_dtype, kv_cache_impl, num_first_layers_in_bf16,
+  num_last_layers_in_bf16, pow2_weight_scaling_factors, pow2_activation_scaling_factors}``: the rollout engine (vLLM).
 - ``policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe}``: the *trainer's* FP8 settings. We train with HF
   transformers + fp8core, not Megatron; the section keeps the seed's name so seed recipes load unchanged, and
   ``policy.megatron_cfg`` is documented as "the trainer section" (its other Megatron-only keys are not accepted).

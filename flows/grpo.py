@@ -2,8 +2,9 @@
 
     python -m flows.grpo configs/tiny_fp8_e2e.yaml [key=value ...]
 
-Order: load + validate the recipe (bad keys/types/combinations fail here) -> embedded assets (bootstrap subflow) when
-the recipe says ``embedded`` -> load the datasets (missing file/column fails here, before any worker starts) -> Ray
+Order: load + validate the recipe (bad keys/types/combinations fail here) -> the CPU line (fp8core.cpu.describe) ->
+embedded assets (bootstrap subflow) when the recipe says ``embedded`` -> the rollout KV-cache check against the
+model's head size and the CPU (workers.cluster.check_rollout_kv) -> load the datasets (missing file/column fails here, before any worker starts) -> Ray
 (a local single-node Ray, or ``ray.address``) + the PolicyWorker and RolloutWorker actors -> resume from the latest
 complete checkpoint (``checkpointing.resume``: same MLflow run, step counter continues) -> validation at step 0 ->
 ``rl_step`` subflows, validation every ``grpo.val_period`` steps, checkpoints every ``checkpointing.save_period``
@@ -75,11 +76,12 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
 
     from flows.bootstrap import bootstrap_flow
     from flows.rl_step import rl_step
+    from fp8core.cpu import cpu_caps, describe
     from tasks import rl
     from tasks.checkpoint import load_checkpoint, save_checkpoint
-    from tasks.tracking import client, finish_run, log_metrics, log_text, start_run, tracking_uri
+    from tasks.tracking import client, finish_run, log_metrics, log_text, set_tags, start_run, tracking_uri
     from workers.checkpoint import CheckpointStore
-    from workers.cluster import apply_env, init_ray, start_workers, stop_workers
+    from workers.cluster import apply_env, check_rollout_kv, init_ray, start_workers, stop_workers
     from workers.data import PromptSource
 
     t_start = time.perf_counter()
@@ -89,6 +91,8 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     apply_env(run_dir)
     (run_dir / "config.resolved.yaml").write_text(to_yaml(cfg))
     _say(f"fp8-grpo: recipe {cfg.recipe} ({cfg.precision_tag}), run dir {run_dir}")
+    caps = cpu_caps()  # this (driver) node; each actor reports its own below
+    _say(describe())
 
     # -- assets and data (fail before any worker starts) -------------------------------------------------------------
     model_dir = cfg.policy.model_name
@@ -100,6 +104,9 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         val_path = assets["validation"] if val_path == EMBEDDED else val_path
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"policy.model_name: {model_dir} is not a local Hugging Face model directory")
+    kv_mode, kv_reason = check_rollout_kv(cfg, Path(model_dir))  # ConfigError where vLLM would refuse the KV cache
+    if cfg.policy.generation.vllm_cfg.kv_fp8:
+        _say(f"rollout FP8 KV cache: {kv_mode} ({kv_reason})")
     data = PromptSource.from_config(cfg.data, train_path=train_path, validation_path=val_path, seed=cfg.grpo.seed)
     val_rows = data.validation_rows(cfg.grpo.max_val_samples)
 
@@ -119,7 +126,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     uri = tracking_uri(cfg, run_dir) if cfg.logger.mlflow_enabled else None
     run_id = None
     if uri:
-        run_id = start_run(cfg, uri, run_id=(resume_state or {}).get("mlflow_run_id"))
+        run_id = start_run(cfg, uri, run_id=(resume_state or {}).get("mlflow_run_id"), extra_params=caps.as_params())
         log_text(uri, run_id, to_yaml(cfg), "config.resolved.yaml")
 
     started_ray, workers, status = False, None, "FAILED"
@@ -130,9 +137,14 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         workers = start_workers(cfg, Path(model_dir), run_dir, tag=uuid.uuid4().hex[:8])
         info = ray.get(workers.policy.info.remote())
+        r_stats, p_cpu = ray.get([workers.rollout.stats.remote(), workers.policy.cpu.remote()])
         _say(f"workers up in {time.perf_counter() - t0:.1f}s: policy {info['num_params'] / 1e6:.2f}M params "
-             f"({info['fp8_layers']} FP8 linears), rollout vLLM {cfg.policy.generation.vllm_cfg.precision} "
-             f"kv={cfg.policy.generation.vllm_cfg.kv_cache_dtype}")
+             f"({info['fp8_layers']} FP8 linears, CPU kind {p_cpu['kind']}), rollout vLLM "
+             f"{cfg.policy.generation.vllm_cfg.precision} kv={r_stats['kv_mode']} (CPU kind {r_stats['cpu']['kind']})")
+        # Tags, not params: a resumed run may land on another CPU (params are immutable in MLflow).
+        set_tags(uri, run_id, {"cpu/kind": caps.kind, "cpu/rollout_kind": r_stats["cpu"]["kind"],
+                               "cpu/policy_kind": p_cpu["kind"], "cpu/cap": caps.cap or "none",
+                               "rollout/kv_mode": r_stats["kv_mode"]})
         gen = cfg.policy.generation
         ctx = {"policy": workers.policy_name, "rollout": workers.rollout_name, "run_id": run_id,
                "tracking_uri": uri, "model_dir": str(model_dir), "seed": cfg.grpo.seed, "recipe": cfg.recipe,
@@ -234,10 +246,14 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     from configs.schema import ConfigError
+    from fp8core.cpu import apply_cpu_cap
 
     try:
         load_config(argv[0], argv[1:])  # fail fast with the dotted path, before Prefect starts its server
-    except ConfigError as e:
+        # A fresh process: the driver (bootstrap SFT, data) follows FP8GRPO_CPU_CAP too. The flow function itself
+        # does not patch its process (it may be a long-lived one); the actors always apply the cap themselves.
+        apply_cpu_cap()
+    except (ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     grpo(argv[0], argv[1:])

@@ -56,6 +56,9 @@ _TORCH_PROBES = {"_is_avx2_supported": "avx2", "_is_avx512_supported": "avx512_f
                  "_is_avx512_bf16_supported": "avx512_bf16", "_is_vnni_supported": "avx512_vnni",
                  "_is_amx_tile_supported": "amx_tile", "_is_amx_fp16_supported": "amx_fp16"}
 
+# Importing any of these makes vLLM load its kernel library (vllm._C / _C_AVX512 / _C_AVX2) for the probed kind.
+_VLLM_KERNEL_MODULES = ("vllm._custom_ops", "vllm.kernels.vllm_c")
+
 log = logging.getLogger(__name__)
 
 
@@ -271,9 +274,11 @@ def apply_cpu_cap() -> None:
     if kind != hw:
         import sys
 
-        if "vllm" in sys.modules:
-            raise RuntimeError(f"{CAP_ENV}={cap}: vLLM is already imported in this process, so it has picked its "
-                               f"kernels for {hw}; apply the cap before importing vLLM")
+        loaded = [m for m in _VLLM_KERNEL_MODULES if m in sys.modules]
+        if loaded:
+            raise RuntimeError(f"{CAP_ENV}={cap}: vLLM has already loaded its CPU kernels in this process "
+                               f"({loaded[0]} is imported), picked for {hw}; apply the cap before vLLM's kernels "
+                               f"load (first thing in the process)")
         for key, value in cap_env(cap, hardware=hw).items():
             os.environ.setdefault(key, value)
         _patch_torch(kind)

@@ -28,8 +28,9 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def start_run(cfg, uri: str, *, run_id: str | None = None) -> str:
-    """Create the run (params = flattened resolved config, tags = recipe/precision) or reopen ``run_id``."""
+def start_run(cfg, uri: str, *, run_id: str | None = None, extra_params: Mapping[str, str] | None = None) -> str:
+    """Create the run (params = flattened resolved config + ``extra_params``, e.g. the driver's ``cpu/*`` from
+    fp8core.cpu.CpuCaps.as_params; tags = recipe/precision) or reopen ``run_id`` (params untouched)."""
     from mlflow.entities import Param, RunTag
 
     c = client(uri)
@@ -44,7 +45,8 @@ def start_run(cfg, uri: str, *, run_id: str | None = None) -> str:
                              "fp8_recipe": cfg.policy.megatron_cfg.fp8_cfg.fp8_recipe
                              if cfg.policy.megatron_cfg.fp8_cfg.enabled else "none",
                              "kv_cache_dtype": cfg.policy.generation.vllm_cfg.kv_cache_dtype})
-    params = [Param(k, str(v)[:6000]) for k, v in sorted(cfg.flat().items()) if not _SECRET.search(k)]
+    flat = {**cfg.flat(), **dict(extra_params or {})}
+    params = [Param(k, str(v)[:6000]) for k, v in sorted(flat.items()) if not _SECRET.search(k)]
     for i in range(0, len(params), 100):
         c.log_batch(run.info.run_id, params=params[i:i + 100])
     c.log_batch(run.info.run_id, tags=[RunTag("mlflow.note.content", f"fp8-grpo recipe {cfg.recipe}")])
@@ -65,6 +67,15 @@ def log_metrics(uri: str | None, run_id: str | None, metrics: Mapping[str, float
     c = client(uri)
     for i in range(0, len(items), 500):
         c.log_batch(run_id, metrics=items[i:i + 500])
+
+
+def set_tags(uri: str | None, run_id: str | None, tags: Mapping[str, str]) -> None:
+    """Set (or overwrite) run tags in one request; tags, unlike params, may change when a run resumes elsewhere."""
+    if not run_id:
+        return
+    from mlflow.entities import RunTag
+
+    client(uri).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
 
 def log_text(uri: str | None, run_id: str | None, text: str, path: str) -> None:

@@ -96,9 +96,48 @@ def rollout_config(cfg: Config):
         num_first_layers_in_bf16=spec.num_first_layers_in_bf16, num_last_layers_in_bf16=spec.num_last_layers_in_bf16,
         pow2_weight_scaling_factors=spec.pow2_weight, pow2_activation_scaling_factors=spec.pow2_activation)
     return RolloutConfig(
-        precision="fp8" if vc.precision == "fp8" else "bf16", kv_cache_dtype=vc.kv_cache_dtype, **fp8,
+        precision="fp8" if vc.precision == "fp8" else "bf16", kv_cache_dtype=vc.kv_cache_dtype,
+        kv_cache_impl=vc.kv_cache_impl, **fp8,
         kv_cache_memory_bytes=vc.kv_cache_memory_bytes, max_model_len=vc.max_model_len, seed=cfg.grpo.seed,
         gpu_memory_utilization=vc.gpu_memory_utilization, enforce_eager=vc.enforce_eager)
+
+
+def check_rollout_kv(cfg: Config, model_dir: Path) -> tuple[str, str]:
+    """The load-time check of the rollout KV cache, before any worker starts: ``(kv mode, reason)`` from the model's
+    head size and this node's CPU (after FP8GRPO_CPU_CAP), or ConfigError naming the key and the missing CPU feature /
+    the head size where vLLM would refuse it. The rollout actor checks again on its own node before its engine
+    starts (a Ray cluster's nodes may differ from the driver's)."""
+    from configs.schema import ConfigError
+    from workers.rollout import _read_model_config, resolve_kv_mode
+
+    vc = cfg.policy.generation.vllm_cfg
+    try:
+        return resolve_kv_mode(_read_model_config(Path(model_dir)), vc.kv_cache_dtype, vc.kv_cache_impl,
+                               on_gpu=cfg.ray.rollout_worker.num_gpus > 0)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _policy_actor_class():
+    """PolicyWorker as the run's actor: applies the CPU cap in the actor process before the model is built and
+    reports the actor's CpuCaps (``cpu()``)."""
+    from workers.policy import PolicyWorker
+
+    class PolicyActor(PolicyWorker):
+        def __init__(self, *args, **kwargs):
+            from fp8core.cpu import apply_cpu_cap
+
+            apply_cpu_cap()
+            super().__init__(*args, **kwargs)
+
+        def cpu(self) -> dict:
+            from fp8core.cpu import cpu_caps
+            from workers.rollout import cpu_caps_dict
+
+            return cpu_caps_dict(cpu_caps())
+
+    PolicyActor.__name__ = PolicyActor.__qualname__ = "PolicyWorker"
+    return PolicyActor
 
 
 def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Workers:
@@ -106,15 +145,18 @@ def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Work
     until both are constructed (errors surface here, with the actor's traceback)."""
     import ray
 
-    from workers.policy import PolicyWorker
+    from fp8core.cpu import cap_env
     from workers.rollout import RolloutWorker
 
     pw, rw = cfg.ray.policy_worker, cfg.ray.rollout_worker
     threads = cfg.policy.generation.vllm_cfg.threads
-    env_p = {"OMP_NUM_THREADS": str(cfg.policy.threads)}
-    env_r = {"OMP_NUM_THREADS": str(threads)}
+    # FP8GRPO_CPU_CAP (+ ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA when it lowers this node's kind) reach the actors
+    # before they import torch; each actor also applies the cap itself (fp8core.cpu.apply_cpu_cap) before vLLM.
+    cap = cap_env()
+    env_p = {"OMP_NUM_THREADS": str(cfg.policy.threads), **cap}
+    env_r = {"OMP_NUM_THREADS": str(threads), **cap}
     names = (f"fp8grpo-policy-{tag}", f"fp8grpo-rollout-{tag}")
-    policy = ray.remote(PolicyWorker).options(
+    policy = ray.remote(_policy_actor_class()).options(
         name=names[0], num_cpus=pw.num_cpus, num_gpus=pw.num_gpus, runtime_env={"env_vars": env_p},
         max_concurrency=1).remote(str(model_dir), cfg, run_dir=str(run_dir))
     rollout = ray.remote(RolloutWorker).options(

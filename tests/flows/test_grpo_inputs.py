@@ -49,6 +49,58 @@ def test_missing_dataset_file_and_column_fail_before_workers(tmp_path):
     assert not ray.is_initialized()
 
 
+def test_kv_cache_impl_key_is_validated(capsys):
+    assert main([RECIPE, "policy.generation.vllm_cfg.kv_cache_impl=emulated"]) == 2
+    assert "policy.generation.vllm_cfg.kv_cache_impl: emulated only applies with" in capsys.readouterr().err
+    assert main([RECIPE, "policy.generation.vllm_cfg.kv_cache_dtype=fp8",
+                 "policy.generation.vllm_cfg.kv_cache_impl=fast"]) == 2
+    assert "policy.generation.vllm_cfg.kv_cache_impl" in capsys.readouterr().err
+
+
+def test_invalid_cpu_cap_fails_at_the_cli(monkeypatch, capsys):
+    monkeypatch.setenv("FP8GRPO_CPU_CAP", "avx3")
+    assert main([RECIPE]) == 2
+    assert "FP8GRPO_CPU_CAP='avx3' is not one of avx2, avx512, avx512_bf16, amx" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_native_fp8_kv_refused_at_load_under_the_avx2_cap(monkeypatch, tmp_path):
+    """What vLLM would refuse fails before any worker starts, naming the key and the missing CPU feature (or the head
+    size); auto picks the emulated cache instead. The driver's view follows FP8GRPO_CPU_CAP (no patching needed)."""
+    import json as _json
+    import shutil
+
+    import ray
+
+    from configs.schema import ConfigError, load_config
+    from flows.grpo import grpo
+    from workers.cluster import check_rollout_kv
+    from workers.tiny_model import TinyModelSpec, build_tiny_model
+
+    model = build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny",
+                             TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000))
+    kv = [f"policy.model_name={model}", "policy.generation.vllm_cfg.kv_cache_dtype=fp8"]
+    monkeypatch.setenv("FP8GRPO_CPU_CAP", "avx2")
+    native = load_config(RECIPE, kv + ["policy.generation.vllm_cfg.kv_cache_impl=native"])
+    with pytest.raises(ConfigError, match=r"kv_cache_impl=native.*capped by FP8GRPO_CPU_CAP=avx2.*AVX-512"):
+        check_rollout_kv(native, model)
+    assert check_rollout_kv(load_config(RECIPE, kv), model)[0] == "fp8-emulated"
+    rows = tmp_path / "rows.jsonl"  # explicit data: no embedded-assets bootstrap before the check
+    rows.write_text(_json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
+    with pytest.raises(ConfigError, match="kv_cache_impl=native"):
+        grpo(RECIPE, kv + [f"run_dir={tmp_path}", "logger.mlflow_enabled=false", f"data.train_path={rows}",
+                           f"data.validation_path={rows}", "policy.generation.vllm_cfg.kv_cache_impl=native"])
+    assert not ray.is_initialized()
+    monkeypatch.delenv("FP8GRPO_CPU_CAP")
+    odd = tmp_path / "head80"
+    shutil.copytree(model, odd)
+    mcfg = _json.loads((odd / "config.json").read_text())
+    mcfg["head_dim"] = 80
+    (odd / "config.json").write_text(_json.dumps(mcfg))
+    with pytest.raises(ConfigError, match="kv_cache_impl=native.*head_size 80 is not a multiple of 32"):
+        check_rollout_kv(native, odd)
+
+
 def test_ray_temp_dir_fits_unix_socket_limit(monkeypatch, tmp_path):
     from workers.cluster import ray_temp_dir
 

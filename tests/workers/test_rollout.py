@@ -6,7 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.rollout import RolloutConfig, RolloutWorker, kv_bytes_per_token
+from fp8core.cpu import caps_from, cpu_caps
+from workers.rollout import (
+    RolloutConfig,
+    RolloutWorker,
+    kv_bytes_per_token,
+    resolve_kv_mode,
+    round_kv_through_e4m3,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "runs" / "test-env" / "models" / "tiny"
@@ -59,6 +66,63 @@ def test_config_rejects_bad_values():
         RolloutConfig(num_first_layers_in_bf16=-1)
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         RolloutConfig(kv_cache_memory_bytes=0)
+    with pytest.raises(ValueError, match="kv_cache_impl"):
+        RolloutConfig(kv_cache_dtype="fp8", kv_cache_impl="fast")
+    with pytest.raises(ValueError, match="kv_cache_impl='emulated' only applies with kv_cache_dtype='fp8'"):
+        RolloutConfig(kv_cache_impl="emulated")
+
+
+_TINY = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+         "hidden_size": 256}
+_CPUINFO = {"avx2": "model name\t: AVX2 box\nflags\t\t: avx avx2\n",
+            "avx512": "model name\t: Skylake\nflags\t\t: avx avx2 avx512f\n",
+            "avx512_bf16": "model name\t: Zen4\nflags\t\t: avx avx2 avx512f avx512_bf16\n",
+            "amx": "model name\t: SPR\nflags\t\t: avx avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"}
+
+
+@pytest.mark.parametrize("kind,native", [("avx2", False), ("avx512", True), ("avx512_bf16", True), ("amx", True)])
+def test_kv_mode_per_cpu_kind(kind, native):
+    caps = caps_from(_CPUINFO[kind], cap=None, torch_capability="AVX2")
+    assert resolve_kv_mode(_TINY, "auto", caps=caps)[0] == "bf16"
+    assert resolve_kv_mode(_TINY, "fp8", "emulated", caps=caps)[0] == "fp8-emulated"
+    mode, why = resolve_kv_mode(_TINY, "fp8", "auto", caps=caps)
+    assert mode == ("fp8-native" if native else "fp8-emulated"), why
+    if native:
+        assert resolve_kv_mode(_TINY, "fp8", "native", caps=caps)[0] == "fp8-native"
+    else:
+        with pytest.raises(ValueError, match=r"policy\.generation\.vllm_cfg\.kv_cache_impl=native.*AVX-512 "
+                                             r"\(avx512f\) and AMX \(amx_tile\)"):
+            resolve_kv_mode(_TINY, "fp8", "native", caps=caps)
+
+
+def test_kv_mode_under_the_cap_and_head_size_and_gpu():
+    capped = caps_from(_CPUINFO["amx"], cap="avx2", torch_capability="AVX2")
+    assert resolve_kv_mode(_TINY, "fp8", caps=capped)[0] == "fp8-emulated"
+    with pytest.raises(ValueError, match="capped by FP8GRPO_CPU_CAP=avx2"):
+        resolve_kv_mode(_TINY, "fp8", "native", caps=capped)
+    amx = caps_from(_CPUINFO["amx"], cap=None, torch_capability="AVX512")
+    head80 = {**_TINY, "head_dim": 80}  # a vLLM CPU head size (80 % 16 == 0) that its FP8 cache refuses
+    mode, why = resolve_kv_mode(head80, "fp8", caps=amx)
+    assert mode == "fp8-emulated" and "head_size 80" in why
+    with pytest.raises(ValueError, match="kv_cache_impl=native.*head_size 80 is not a multiple of 32"):
+        resolve_kv_mode(head80, "fp8", "native", caps=amx)
+    assert resolve_kv_mode(head80, "fp8", "native", caps=capped, on_gpu=True)[0] == "fp8-native"
+    with pytest.raises(ValueError, match="only applies with kv_cache_dtype=fp8"):
+        resolve_kv_mode(_TINY, "auto", "native", caps=amx)
+
+
+def test_e4m3_rounding_is_round_to_nearest_even_with_saturation():
+    scale = 0.5
+    # E4M3 around 1.0 has spacing 0.125: 1.0625 is a tie -> even (1.0); 1.07 -> 1.125; beyond 448 saturates;
+    # 2^-9 is the smallest subnormal, 2^-10 a tie between 0 and it -> 0 (even).
+    x = torch.tensor([1.0625, 1.07, -1.07, 500.0, -1e4, 0.0, 2.0 ** -9, 2.0 ** -10], dtype=torch.float32) * scale
+    y = round_kv_through_e4m3(x.to(torch.bfloat16), scale).float() / scale
+    want = torch.tensor([1.0, 1.125, -1.125, 448.0, -448.0, 0.0, 2.0 ** -9, 0.0])
+    assert torch.equal(y, want), y
+    g = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    s = float(g.abs().max()) / 448
+    rel = ((round_kv_through_e4m3(g, s) - g).norm() / g.norm()).item()
+    assert 0.01 < rel < 0.04  # E4M3 RNE on Gaussian data: ~2-3% relative error
 
 
 def test_kv_bytes_per_token_formula():
@@ -80,6 +144,16 @@ def test_bad_model_dirs_rejected_before_engine(tmp_path, model_dir):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="BertForMaskedLM.*not supported"):
         RolloutWorker(bad, RolloutConfig(), run_dir=tmp_path / "run")
+
+
+def test_native_fp8_kv_refused_before_engine_for_a_head_size_vllm_cpu_rejects(model_dir, tmp_path):
+    odd = tmp_path / "head80"
+    shutil.copytree(model_dir, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["head_dim"] = 80
+    (odd / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="kv_cache_impl=native.*head_size 80"):
+        RolloutWorker(odd, RolloutConfig(kv_cache_dtype="fp8", kv_cache_impl="native"), run_dir=tmp_path / "run")
 
 
 def test_kv_budget_too_small_for_one_sequence(model_dir, tmp_path):
@@ -134,6 +208,8 @@ def test_kv_capacity_matches_budget(worker):
     st = worker.stats()
     # 32 MiB / (4 layers * 2 * 2 heads * 64 dims * 2 bytes) = 16384 tokens
     assert st["kv_capacity_tokens"] == (32 << 20) // st["kv_bytes_per_token"] == 16384
+    assert st["kv_mode"] == "bf16" and not st["kv_fp8_capacity_realised"]
+    assert st["cpu"]["kind"] == cpu_caps().kind and st["cpu"]["model"] == cpu_caps().model
 
 
 @pytest.mark.slow
@@ -241,3 +317,93 @@ def test_seeded_batch_larger_than_one_step(worker):
     assert len(out) == 40 and all(len(s["token_ids"]) >= 1 for r in out for s in r["samples"])
     with pytest.raises(ValueError, match="max_num_batched_tokens=100 must be >= max_model_len=256"):
         RolloutConfig(max_num_batched_tokens=100, max_model_len=256)
+
+
+_AVX2_CAPPED = r"""
+import json, sys
+from pathlib import Path
+
+import torch
+
+from fp8core.cpu import apply_cpu_cap, cpu_caps
+
+apply_cpu_cap()  # what RolloutWorker.__init__ does too; here first, so the probes below see the cap
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from workers.rollout import RolloutConfig, RolloutWorker
+
+model_dir, run_dir = Path(sys.argv[1]), Path(sys.argv[2])
+out = {"kind": cpu_caps().kind, "hw": cpu_caps().hardware_kind, "avx512": torch.cpu._is_avx512_supported(),
+       "amx": torch.cpu._is_amx_tile_supported(), "torch": torch.backends.cpu.get_cpu_capability()}
+try:
+    _get_attn_isa(torch.bfloat16, 128, 64, "fp8_e4m3")
+    out["vllm_fp8_kv"] = "accepted"
+except NotImplementedError as e:
+    out["vllm_fp8_kv"] = str(e)
+base = dict(precision="fp8", kv_cache_dtype="fp8", kv_cache_memory_bytes=8 << 20, max_model_len=128)
+try:
+    RolloutWorker(model_dir, RolloutConfig(**base, kv_cache_impl="native"), run_dir=run_dir)
+    out["native"] = "started"
+except ValueError as e:
+    out["native"] = str(e)
+w = RolloutWorker(model_dir, RolloutConfig(**base), run_dir=run_dir)
+st = w.stats()
+out.update(kv_mode=st["kv_mode"], capacity=st["kv_capacity_tokens"], realised=st["kv_fp8_capacity_realised"],
+           cpu=st["cpu"])
+out["kernel_libs"] = sorted({line.strip().rsplit("/", 1)[-1] for line in open("/proc/self/maps")
+                             if "/vllm/_C" in line})
+prompts = [[1 + (7 * i + j) % 200 for j in range(16)] for i in range(4)]
+
+
+def lps():
+    res = w.generate(prompts, n=2, max_tokens=12, seed=0)
+    return [lp for r in res for s in r["samples"] for lp in s["logprobs"]]
+
+
+unit = {"k_scale": [1.0] * 4, "v_scale": [1.0] * 4}
+tiny = {"k_scale": [1e-3] * 4, "v_scale": [1e-3] * 4}
+w.set_kv_scales(unit)
+a = lps()
+w.set_kv_scales(tiny)
+b = lps()
+from safetensors.torch import load_file
+w.refit(load_file(str(model_dir / "model.safetensors")))  # vLLM resets scales; the worker re-applies 1e-3
+c = lps()
+w.set_kv_scales(unit)
+d = lps()
+out.update(tokens=len(a), dlogp_tiny=sum(abs(x - y) for x, y in zip(a, b)) / len(a), tiny_after_refit_same=(b == c),
+           unit_again_same=(a == d), scales_after_refit=w.get_kv_scales()["k_scale"])
+w.shutdown()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_fp8_kv_recipe_under_the_avx2_cap(model_dir, tmp_path):
+    """FP8GRPO_CPU_CAP=avx2 in a fresh process: vLLM loads its AVX2 kernels and refuses an FP8 KV cache inside
+    (as on an AVX2-only CPU); the worker refuses kv_cache_impl=native before any engine starts, and the FP8 KV
+    recipe (auto) runs emulated: BF16 capacity, K/V rounded with the per-layer scales (a 1e-3 scale changes the
+    logprobs, the hook survives a refit, unit scales give the same samples back)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    env["FP8GRPO_CPU_CAP"] = "avx2"
+    proc = subprocess.run([sys.executable, "-c", _AVX2_CAPPED, str(model_dir), str(tmp_path / "run")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print({k: r[k] for k in ("hw", "kind", "torch", "kernel_libs", "kv_mode", "capacity", "dlogp_tiny")})
+    if r["hw"] == "other":
+        pytest.skip("this CPU has no AVX2: the AVX2 cap does not apply")
+    assert r["kind"] == "avx2" and r["cpu"]["kind"] == "avx2" and r["cpu"]["cap"] == "avx2"
+    assert (r["avx512"], r["amx"], r["torch"]) == (False, False, "AVX2")
+    assert r["vllm_fp8_kv"] == "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+    assert r["kernel_libs"] == ["_C_AVX2.abi3.so"]
+    assert "kv_cache_impl=native" in r["native"] and "AVX-512" in r["native"]
+    assert r["kv_mode"] == "fp8-emulated" and r["realised"] is False
+    assert r["capacity"] == (8 << 20) // (4 * 2 * 2 * 64 * 2) == 4096  # the BF16 capacity
+    assert r["dlogp_tiny"] > 0.02, r["dlogp_tiny"]  # measured ~0.16 (mean |dlogp| per token)
+    assert r["tiny_after_refit_same"] and r["unit_again_same"]
+    assert r["scales_after_refit"] == [1.0] * 4
