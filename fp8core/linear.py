@@ -38,13 +38,21 @@ training see bit-identical forward numerics on the same backend.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
+from fp8core.quant import (
+    GROUP,
+    QuantizedTensor,
+    dequantize,
+    quantize,
+    quantize_dequantize,
+    quantize_dequantize_columns,
+)
 
 RECIPES = ("blockwise", "rowwise", "tensorwise")
 LINEAR_FORMATS = ("e4m3", "hybrid")
@@ -64,6 +72,7 @@ __all__ = [
     "RECIPES",
     "ROWWISE",
     "TENSORWISE",
+    "WeightCache",
     "fp8_linear",
     "fp8_linear_forward",
     "fp8_mm",
@@ -164,8 +173,10 @@ def _scaled_mm_rows(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: to
     dev = a8.device.type
     if dev not in _ROWSCALED_FP32_UNSUPPORTED:
         try:
-            return torch._scaled_mm(a8, b8.t(), scale_a=sa.reshape(-1, 1).contiguous(),
-                                    scale_b=sb.reshape(1, -1).contiguous(), out_dtype=torch.float32)
+            # fresh standard strides: .contiguous() keeps odd strides on size-1 dims, which _scaled_mm rejects
+            sa_c = sa.reshape(-1).clone(memory_format=torch.contiguous_format).reshape(-1, 1)
+            sb_c = sb.reshape(-1).clone(memory_format=torch.contiguous_format).reshape(1, -1)
+            return torch._scaled_mm(a8, b8.t(), scale_a=sa_c, scale_b=sb_c, out_dtype=torch.float32)
         except RuntimeError:  # e.g. CUDA row-scaled kernels that only emit BF16: scale in FP32 ourselves
             _ROWSCALED_FP32_UNSUPPORTED.add(dev)
     one = torch.ones((), dtype=torch.float32, device=a8.device)
@@ -212,12 +223,14 @@ def fp8_mm(a: QuantizedTensor, b: QuantizedTensor, *, backend: str = "emulated")
 # ---------------------------------------------------------------------------------------------- forward + autograd
 def fp8_linear_forward(x: torch.Tensor, weight_q: QuantizedTensor, bias: torch.Tensor | None = None, *,
                        recipe: str = "blockwise", pow2_activation: bool = False,
-                       backend: str = "auto") -> torch.Tensor:
+                       backend: str = "auto", weight_dq: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 forward ``y = fp8(x) @ weight_q.T + bias`` with an already-quantized weight (inference and training).
 
     x: [..., K] quantized in E4M3 along K (group128 / rowwise / tensorwise for recipe blockwise / rowwise /
     tensorwise); weight_q: [N, K] with the recipe's weight granularity (block128 / rowwise / tensorwise).
     FP32 accumulation, bias added in FP32, result in x's dtype. Shared by FP8Linear and the vLLM plugin.
+    ``weight_dq``: optionally ``dequantize(weight_q)`` computed once by the caller (the emulation then skips it;
+    it must be exactly that tensor's values).
     """
     _check_choice(recipe, RECIPES, "recipe")
     expected = WEIGHT_GRANULARITY[recipe]
@@ -228,49 +241,120 @@ def fp8_linear_forward(x: torch.Tensor, weight_q: QuantizedTensor, bias: torch.T
         raise ValueError(f"fp8_linear_forward: x of shape {tuple(x.shape)} does not match weight_q of shape "
                          f"{tuple(weight_q.shape)} (need x[..., K] and weight [N, K])")
     k, n = weight_q.data.shape[1], weight_q.data.shape[0]
-    x_q = quantize(x.reshape(-1, k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
-    y = fp8_mm(x_q, weight_q, backend=resolve_backend(backend, x.device))
+    x2 = x.reshape(-1, k)
+    if resolve_backend(backend, x.device) == "emulated":
+        # dequantize(quantize(x)) in one pass (bit for bit), then the same FP32 GEMM fp8_mm runs
+        x_dq = quantize_dequantize(x2, ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)[0]
+        y = x_dq @ (dequantize(weight_q) if weight_dq is None else weight_dq).t()
+    else:
+        x_q = quantize(x2, ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
+        y = fp8_mm(x_q, weight_q, backend="scaled_mm")
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+class WeightCache:
+    """The quantized (and, for the emulation, dequantized) weight of one FP8Linear, reused until the weight changes.
+
+    A weight is re-quantized once per optimizer update instead of once per forward (micro-batches, the old-logprob
+    pass, dgrad). The key is the Parameter object itself (weakly held), its storage address and its version counter,
+    which every in-place update bumps (optimizer steps, ``load_state_dict``, ``copy_`` under no_grad). Writes that
+    bypass the version counter (through ``weight.data``) are not seen: call :meth:`clear` after such writes.
+    """
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self._ref = None
+        self._key = None
+        self._vals: dict[str, object] = {}
+
+    def _fresh(self, weight: torch.Tensor, config: FP8LinearConfig) -> dict:
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), config.recipe,
+               config.pow2_weight)
+        if self._ref is None or self._ref() is not weight or self._key != key:
+            self._ref, self._key, self._vals = weakref.ref(weight), key, {}
+        return self._vals
+
+    def get(self, weight: torch.Tensor, config: FP8LinearConfig, *, dequantized: bool = False):
+        """(weight_q, weight_dq or None): ``quantize(weight, WEIGHT_GRANULARITY[recipe])`` and its dequantization."""
+        vals = self._fresh(weight, config)
+        if "q" in vals and dequantized and "dq" not in vals:
+            vals["dq"] = dequantize(vals["q"])
+        if "q" not in vals:
+            gran = WEIGHT_GRANULARITY[config.recipe]
+            if dequantized:
+                vals["dq"], vals["q"] = quantize_dequantize(weight.detach(), gran, fmt="e4m3",
+                                                            pow2=config.pow2_weight, keep_data=True)
+            else:
+                vals["q"] = quantize(weight.detach(), gran, fmt="e4m3", pow2=config.pow2_weight)
+        return vals["q"], vals.get("dq") if dequantized else None
+
+    def get_rowwise_t(self, weight: torch.Tensor, config: FP8LinearConfig) -> torch.Tensor:
+        """The rowwise recipe's dgrad weight: ``dequantize(quantize(weight.t(), "rowwise"))`` ([K, N], FP32)."""
+        vals = self._fresh(weight, config)
+        if "dq_t" not in vals:
+            vals["dq_t"] = quantize_dequantize_columns(weight.detach(), "rowwise", fmt="e4m3",
+                                                       pow2=config.pow2_weight).t()
+        return vals["dq_t"]
 
 
 class _FP8LinearFunction(torch.autograd.Function):
     """Autograd for the three FP8 GEMMs (module docstring table)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, config: FP8LinearConfig):
-        w_q = quantize(weight, WEIGHT_GRANULARITY[config.recipe], fmt="e4m3", pow2=config.pow2_weight)
+    def forward(ctx, x, weight, bias, config: FP8LinearConfig, cache: WeightCache | None):
+        cache = WeightCache() if cache is None else cache
+        backend = resolve_backend(config.backend, x.device)
+        emulated = backend == "emulated"
+        w_q, w_dq = cache.get(weight, config, dequantized=emulated)
         y = fp8_linear_forward(x, w_q, bias, recipe=config.recipe, pow2_activation=config.pow2_activation,
-                               backend=config.backend)
-        ctx.save_for_backward(x, weight, w_q.data, w_q.scale)
-        ctx.config = config
+                               backend=backend, weight_dq=w_dq)
+        if emulated:
+            ctx.save_for_backward(x, weight, w_dq)
+        else:
+            ctx.save_for_backward(x, weight, w_q.data, w_q.scale)
+        ctx.config, ctx.cache, ctx.backend = config, cache, backend
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, w_data, w_scale = ctx.saved_tensors
         cfg: FP8LinearConfig = ctx.config
+        if ctx.backend == "emulated":
+            x, weight, w_dq = ctx.saved_tensors
+        else:
+            x, weight, w_data, w_scale = ctx.saved_tensors
         n, k = weight.shape
-        backend = resolve_backend(cfg.backend, dy.device)
         gran = ACT_GRANULARITY[cfg.recipe]
         dy2 = dy.reshape(-1, n)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # dgrad: dX = dY @ W, contracting N
-            dy_q = quantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
-            if cfg.recipe == "rowwise":  # W re-quantized per input feature, along N
-                w_t = quantize(weight.t(), "rowwise", fmt="e4m3", pow2=cfg.pow2_weight)
-            else:  # the forward's block128 / tensorwise weight, transposed (exact)
-                w_t = QuantizedTensor(w_data, w_scale, WEIGHT_GRANULARITY[cfg.recipe], "e4m3").t()
-            dx = fp8_mm(dy_q, w_t, backend=backend).to(x.dtype).reshape(x.shape)
-        if ctx.needs_input_grad[1]:  # wgrad: dW = dY.T @ X, contracting tokens
-            dyt_q = quantize(dy2.t(), gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
-            xt_q = quantize(x.reshape(-1, k).t(), gran, fmt="e4m3", pow2=cfg.pow2_activation)
-            dw = fp8_mm(dyt_q, xt_q, backend=backend).to(weight.dtype)
+        if ctx.backend == "emulated":  # the same operand values as the scaled_mm branch, dequantized in one pass
+            if ctx.needs_input_grad[0]:  # dgrad: dX = dY @ W, contracting N
+                dy_dq = quantize_dequantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)[0]
+                w_nk = ctx.cache.get_rowwise_t(weight, cfg).t() if cfg.recipe == "rowwise" else w_dq
+                dx = (dy_dq @ w_nk).to(x.dtype).reshape(x.shape)
+            if ctx.needs_input_grad[1]:  # wgrad: dW = dY.T @ X, contracting tokens
+                dyt_dq = quantize_dequantize_columns(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
+                xt_dq = quantize_dequantize_columns(x.reshape(-1, k), gran, fmt="e4m3", pow2=cfg.pow2_activation)
+                dw = (dyt_dq.t() @ xt_dq).to(weight.dtype)
+        else:
+            if ctx.needs_input_grad[0]:
+                dy_q = quantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
+                if cfg.recipe == "rowwise":  # W re-quantized per input feature, along N
+                    w_t = quantize(weight.t(), "rowwise", fmt="e4m3", pow2=cfg.pow2_weight)
+                else:  # the forward's block128 / tensorwise weight, transposed (exact)
+                    w_t = QuantizedTensor(w_data, w_scale, WEIGHT_GRANULARITY[cfg.recipe], "e4m3").t()
+                dx = fp8_mm(dy_q, w_t, backend="scaled_mm").to(x.dtype).reshape(x.shape)
+            if ctx.needs_input_grad[1]:
+                dyt_q = quantize(dy2.t(), gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
+                xt_q = quantize(x.reshape(-1, k).t(), gran, fmt="e4m3", pow2=cfg.pow2_activation)
+                dw = fp8_mm(dyt_q, xt_q, backend="scaled_mm").to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -279,7 +363,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """Differentiable FP8 ``x @ weight.T + bias`` (fprop, dgrad and wgrad in FP8; module docstring)."""
     config = FP8LinearConfig(recipe=recipe, fmt=fmt, pow2_weight=pow2_weight, pow2_activation=pow2_activation,
                              backend=backend)
-    return _FP8LinearFunction.apply(x, weight, bias, config)
+    return _FP8LinearFunction.apply(x, weight, bias, config, None)
 
 
 class FP8Linear(nn.Linear):
@@ -294,6 +378,7 @@ class FP8Linear(nn.Linear):
         if not isinstance(self.config, FP8LinearConfig):
             raise ValueError(f"FP8Linear config must be an FP8LinearConfig, got {type(self.config).__name__}")
         self.fp8_enabled = True
+        self.weight_cache = WeightCache()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: FP8LinearConfig | None = None) -> FP8Linear:
@@ -307,13 +392,12 @@ class FP8Linear(nn.Linear):
 
     def quantized_weight(self) -> QuantizedTensor:
         """The forward weight quantization of this layer's recipe (what a serving engine should hold)."""
-        return quantize(self.weight.detach(), WEIGHT_GRANULARITY[self.config.recipe], fmt="e4m3",
-                        pow2=self.config.pow2_weight)
+        return self.weight_cache.get(self.weight, self.config)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, self.config)
+        return _FP8LinearFunction.apply(x, self.weight, self.bias, self.config, self.weight_cache)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -72,6 +72,9 @@ __all__ = [
     "dequantize",
     "expand_scale",
     "quantize",
+    "quantize_dequantize",
+    "quantize_dequantize_columns",
+    "quantize_reference",
 ]
 
 
@@ -174,18 +177,22 @@ def expand_scale(scale: torch.Tensor, granularity: str, shape) -> torch.Tensor:
     return scale.repeat_interleave(GROUP, dim=-2).repeat_interleave(GROUP, dim=-1)[..., : shape[-2], : shape[-1]]
 
 
-def quantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool = False) -> QuantizedTensor:
-    """Quantize ``x`` to FP8 with one FP32 dequantization scale per group (module docstring).
-
-    ``scale = amax / fp8_max`` (``2**ceil(log2(.))`` if ``pow2``), floored at 2**-126;
-    ``data = fp8(clamp(x / scale, +-fp8_max))`` with torch's round-to-nearest-even cast.
-    Source of the convention: DeepSeek-V3 / vLLM block FP8 (``weight_scale_inv``), torchao float8 (reciprocal form).
-    """
+def _check_input(x, granularity: str, fmt: str) -> None:
     _check_choice(granularity, GRANULARITIES, "granularity")
     _check_choice(fmt, FORMATS, "fmt")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype in FP8_DTYPES.values():
         raise ValueError(f"quantize: x must be a high-precision floating tensor, got "
                          f"{getattr(x, 'dtype', type(x).__name__)}")
+
+
+_NON_FINITE = ("quantize: input contains non-finite values (inf or nan, or beyond the FP32 range); "
+               "FP8 scales cannot be computed from them")
+
+
+def quantize_reference(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool = False) -> QuantizedTensor:
+    """The plain whole-tensor implementation of :func:`quantize` (the specification the fast path is tested
+    against bit for bit): FP32 copy, zero-padded group views, one division, clamp, cast."""
+    _check_input(x, granularity, fmt)
     scale_shape = _scale_shape(tuple(x.shape), granularity)  # validates the rank
     xf = x.detach().to(torch.float32)
     fp8_max = FP8_MAX[fmt]
@@ -213,8 +220,7 @@ def quantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool
         view = xp.reshape(*xp.shape[:-2], mb, GROUP, kb, GROUP)
         amax = absmax(view, (-3, -1))
     if not bool(torch.isfinite(amax).all()):
-        raise ValueError("quantize: input contains non-finite values (inf or nan, or beyond the FP32 range); "
-                         "FP8 scales cannot be computed from them")
+        raise ValueError(_NON_FINITE)
     scale = torch.clamp(amax / fp8_max, min=MIN_SCALE)
     if pow2:
         scale = _round_up_pow2(scale)
@@ -233,7 +239,7 @@ def quantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``data * scale`` computed in FP32 (each FP8 value times its group's scale), then cast to ``dtype``."""
-    data = q.data.to(torch.float32)
+    data = _fp8_to_fp32(q.data)
     shape = data.shape
     if q.granularity == "group128" and shape[-1] % GROUP == 0:  # same values, no expanded scale tensor
         out = data.reshape(*shape[:-1], shape[-1] // GROUP, GROUP).mul_(q.scale.unsqueeze(-1)).reshape(shape)
@@ -244,3 +250,258 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     else:
         out = data.mul_(q.expanded_scale())
     return out.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ fast path
+# The same arithmetic as quantize_reference (FP32 copy, max(amax, -amin) per group, one FP32 division by the scale,
+# clamp, torch's cast), done on row chunks of ~_CHUNK_BYTES in two reused buffers that stay in cache: the whole-tensor
+# version allocates and page-faults several FP32 temporaries the size of the input, which made it ~40x slower than a
+# copy. Every element goes through identical IEEE operations, so the results are bit-identical (tested).
+_CHUNK_BYTES = 1 << 20
+
+
+_LUTS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _fp8_to_fp32_table(fmt: str, device: torch.device) -> torch.Tensor:
+    """The FP32 value of each of the 256 FP8 codes, from torch's own cast (so a lookup equals ``.to(float32)`` bit for
+    bit; on CPU the lookup is ~5x faster than torch's per-element FP8 -> FP32 conversion)."""
+    key = (fmt, torch.device(device))
+    if key not in _LUTS:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        _LUTS[key] = codes.view(FP8_DTYPES[fmt]).to(torch.float32).to(device)
+    return _LUTS[key]
+
+
+def _fp8_to_fp32(data: torch.Tensor) -> torch.Tensor:
+    """``data.to(float32)`` for FP8 ``data`` (any layout); contiguous result. Table lookup on CPU."""
+    if data.device.type != "cpu":
+        return data.to(torch.float32)
+    fmt = "e4m3" if data.dtype == torch.float8_e4m3fn else "e5m2"
+    idx = data.view(torch.uint8).to(torch.int32, memory_format=torch.contiguous_format).reshape(-1)
+    return torch.index_select(_fp8_to_fp32_table(fmt, data.device), 0, idx).reshape(data.shape)
+
+
+_GRID = {"e4m3": (3, -9), "e5m2": (2, -16)}  # mantissa bits, exponent of the smallest subnormal
+
+
+def _round_to_fp8_grid_(b: torch.Tensor, ib: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Round FP32 ``b`` (finite, |b| <= fp8_max) in place to the nearest FP8 value, ties to even -- the value
+    ``b.to(fp8).to(float32)`` gives, bit for bit (signed zeros included; tested against torch's cast), in FP32
+    arithmetic: the FP8 spacing at ``b`` is ``ulp = 2**(exponent(b) - mantissa_bits)``, at least the smallest
+    subnormal, and ``round(b / ulp) * ulp`` is exact (a power-of-two division, torch's round-half-even, a
+    power-of-two product). ``ib``: an int32 scratch tensor of b's shape. Six vectorized passes instead of torch's
+    per-element FP8 casts (~4x faster on CPU)."""
+    mbits, min_exp = _GRID[fmt]
+    torch.bitwise_and(b.view(torch.int32), 0x7F800000, out=ib)
+    ib.sub_(mbits << 23).clamp_(min=(min_exp + 127) << 23)
+    ulp = ib.view(torch.float32)
+    return b.div_(ulp).round_().mul_(ulp)
+
+
+def _amax_groups(v: torch.Tensor, dims) -> torch.Tensor:
+    return torch.maximum(v.amax(dim=dims), v.amin(dim=dims).neg())
+
+
+def _scale_from_amax(amax: torch.Tensor, fp8_max: float, pow2: bool) -> torch.Tensor:
+    scale = torch.clamp(amax / fp8_max, min=MIN_SCALE)
+    return _round_up_pow2(scale) if pow2 else scale
+
+
+def _quantize_2d(x2: torch.Tensor, granularity: str, fmt: str, pow2: bool, *, want_data: bool,
+                 want_dq: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Chunked quantize of a 2-D ``[M, K]`` tensor (M, K > 0): (data or None, scale [M or Mb, G or 1 or ()],
+    dequantized FP32 values or None)."""
+    m, k = x2.shape
+    fp8_max, dt, dev = FP8_MAX[fmt], FP8_DTYPES[fmt], x2.device
+    grouped = granularity in ("group128", "block128")
+    g = -(-k // GROUP) if grouped else 1
+    kp = g * GROUP if grouped else k
+    rows = max(1, _CHUNK_BYTES // (kp * 4))
+    if granularity == "block128":
+        rows = max(GROUP, rows // GROUP * GROUP)
+    rows = min(rows, -(-m // GROUP) * GROUP if granularity == "block128" else m)
+    buf = torch.zeros(rows, kp, dtype=torch.float32, device=dev)  # zero padding columns stay zero throughout
+    f8 = torch.empty(rows, kp, dtype=dt, device=dev)
+    data = torch.empty(m, k, dtype=dt, device=dev) if want_data else None
+    dq = torch.empty(m, k, dtype=torch.float32, device=dev) if want_dq else None
+    if want_dq:
+        lut, i32 = _fp8_to_fp32_table(fmt, dev), torch.empty(rows * kp, dtype=torch.int32, device=dev)
+    grid_only = want_dq and not want_data  # no FP8 codes wanted: round on the FP8 grid in FP32
+    if granularity == "tensorwise":
+        amax_all = _amax_groups(x2, None).to(torch.float32)
+        scale_all = _scale_from_amax(amax_all, fp8_max, pow2)
+    else:
+        srows = -(-m // GROUP) if granularity == "block128" else m
+        amax_all = torch.empty(srows, g, dtype=torch.float32, device=dev)
+        scale_all = torch.empty(srows, g, dtype=torch.float32, device=dev)
+    direct = x2.dtype == torch.float32 and k == kp  # divide straight from x into the buffer (no copy-in pass)
+    for r0 in range(0, m, rows):
+        n = min(rows, m - r0)
+        if granularity == "block128":
+            nb = -(-n // GROUP)
+            b = buf[: nb * GROUP]
+            if n < nb * GROUP:
+                b[n:].zero_()
+                direct_here = False
+            else:
+                direct_here = direct
+        else:
+            b, direct_here = buf[:n], direct
+        src = x2[r0: r0 + n] if direct_here else b
+        if not direct_here:
+            b[:n, :k].copy_(x2[r0: r0 + n])
+        if granularity == "tensorwise":
+            v, sv, s = b, src, scale_all
+        elif granularity == "rowwise":
+            v, sv = b, src
+            amax = _amax_groups(src, -1).unsqueeze(-1)
+            s = _scale_from_amax(amax, fp8_max, pow2)
+            amax_all[r0: r0 + n] = amax
+            scale_all[r0: r0 + n] = s
+        elif granularity == "group128":
+            v, sv = b.view(n, g, GROUP), src.view(n, g, GROUP)
+            amax = _amax_groups(sv, -1)
+            s = _scale_from_amax(amax, fp8_max, pow2)
+            amax_all[r0: r0 + n] = amax
+            scale_all[r0: r0 + n] = s
+            s = s.unsqueeze(-1)
+        else:
+            v, sv = b.view(nb, GROUP, g, GROUP), src.view(nb, GROUP, g, GROUP)
+            amax = _amax_groups(sv, (-3, -1))
+            s = _scale_from_amax(amax, fp8_max, pow2)
+            sb = r0 // GROUP
+            amax_all[sb: sb + nb] = amax
+            scale_all[sb: sb + nb] = s
+            s = s.unsqueeze(-1).unsqueeze(-3)
+        if direct_here:
+            torch.div(sv, s, out=v)
+        else:
+            v.div_(s)
+        b.clamp_(-fp8_max, fp8_max)
+        exact_rows = b.shape[0] == n and k == kp
+        if grid_only:
+            _round_to_fp8_grid_(b, i32[: b.numel()].view(b.shape), fmt)
+            if exact_rows:
+                torch.mul(v, s, out=dq[r0: r0 + n].view(v.shape))
+            else:
+                v.mul_(s)
+                dq[r0: r0 + n].copy_(b[:n, :k])
+            continue
+        if data is not None and exact_rows:  # cast straight into the output
+            f = data[r0: r0 + n]
+            f.copy_(b)
+        else:
+            f = f8[: b.shape[0]]
+            f.copy_(b)
+            if data is not None:
+                data[r0: r0 + n].copy_(f[:n, :k])
+        if dq is not None:
+            idx = i32[: f.numel()]
+            idx.copy_(f.view(torch.uint8).reshape(-1))
+            if exact_rows:
+                d = dq[r0: r0 + n]
+                torch.index_select(lut, 0, idx, out=d.view(-1))
+                d.view(v.shape).mul_(s)
+            else:
+                torch.index_select(lut, 0, idx, out=b.view(-1))
+                v.mul_(s)
+                dq[r0: r0 + n].copy_(b[:n, :k])
+    if not math.isfinite(float(amax_all.max())):  # amax >= 0; nan propagates through max
+        raise ValueError(_NON_FINITE)
+    return data, scale_all, dq
+
+
+def _as_2d(x: torch.Tensor, granularity: str) -> torch.Tensor | None:
+    """The 2-D view the fast path works on, or None where the reference handles it (empty, 0-d, batched block128)."""
+    if x.numel() == 0 or x.dim() == 0 or (granularity == "block128" and x.dim() != 2):
+        return None
+    if x.dim() == 2:
+        return x
+    return x.reshape(-1, x.shape[-1])
+
+
+def quantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool = False) -> QuantizedTensor:
+    """Quantize ``x`` to FP8 with one FP32 dequantization scale per group (module docstring).
+
+    ``scale = amax / fp8_max`` (``2**ceil(log2(.))`` if ``pow2``), floored at 2**-126;
+    ``data = fp8(clamp(x / scale, +-fp8_max))`` with torch's round-to-nearest-even cast.
+    Source of the convention: DeepSeek-V3 / vLLM block FP8 (``weight_scale_inv``), torchao float8 (reciprocal form).
+    Bit-identical to :func:`quantize_reference`, computed in cache-sized row chunks.
+    """
+    _check_input(x, granularity, fmt)
+    scale_shape = _scale_shape(tuple(x.shape), granularity)
+    x2 = _as_2d(x.detach(), granularity)
+    if x2 is None:
+        return quantize_reference(x, granularity, fmt=fmt, pow2=pow2)
+    data, scale, _ = _quantize_2d(x2, granularity, fmt, pow2, want_data=True, want_dq=False)
+    return QuantizedTensor(data.reshape(x.shape), scale.reshape(scale_shape), granularity, fmt)
+
+
+def quantize_dequantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool = False,
+                        keep_data: bool = False) -> tuple[torch.Tensor, QuantizedTensor | None]:
+    """``dequantize(quantize(x, ...))`` in one chunked pass, bit for bit (the FP32 values an emulated FP8 GEMM
+    multiplies), plus the QuantizedTensor when ``keep_data``. x's shape is kept; the result is FP32 and contiguous."""
+    _check_input(x, granularity, fmt)
+    scale_shape = _scale_shape(tuple(x.shape), granularity)
+    x2 = _as_2d(x.detach(), granularity)
+    if x2 is None:
+        q = quantize_reference(x, granularity, fmt=fmt, pow2=pow2)
+        return dequantize(q), (q if keep_data else None)
+    data, scale, dq = _quantize_2d(x2, granularity, fmt, pow2, want_data=keep_data, want_dq=True)
+    q = QuantizedTensor(data.reshape(x.shape), scale.reshape(scale_shape), granularity, fmt) if keep_data else None
+    return dq.reshape(x.shape), q
+
+
+def quantize_dequantize_columns(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3",
+                                pow2: bool = False) -> torch.Tensor:
+    """``quantize_dequantize(x.t(), granularity)`` returned transposed back, i.e. 2-D ``x [T, K]`` quantized along
+    its *first* dim (groups of 128 rows per column for group128, whole columns for rowwise), bit for bit, without
+    materializing ``x.t()``: the wgrad GEMM contracts over tokens, and reading ``x`` row-major is ~10x faster than
+    gathering its columns. Result: FP32 ``[T, K]``, contiguous."""
+    _check_input(x, granularity, fmt)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_dequantize_columns: x must be 2-D, got shape {tuple(x.shape)}")
+    if granularity == "block128":
+        raise ValueError("quantize_dequantize_columns: block128 is transpose-symmetric; use quantize_dequantize")
+    x = x.detach()
+    if granularity == "tensorwise" or x.numel() == 0:  # elementwise with one scale: transposing commutes
+        return quantize_dequantize(x, granularity, fmt=fmt, pow2=pow2)[0]
+    t, k = x.shape
+    fp8_max, dev = FP8_MAX[fmt], x.device
+    if granularity == "rowwise":
+        rows = min(t, max(1, _CHUNK_BYTES // (k * 4)))
+        amax_all = _amax_groups(x, 0).to(torch.float32)  # [K]: max(amax, -amin) of each column, exact
+        scale_all = _scale_from_amax(amax_all, fp8_max, pow2)
+    else:
+        rows = min(-(-t // GROUP) * GROUP, max(GROUP, _CHUNK_BYTES // (k * 4) // GROUP * GROUP))
+        amax_all = torch.empty(-(-t // GROUP), k, dtype=torch.float32, device=dev)
+    buf = torch.zeros(rows, k, dtype=torch.float32, device=dev)
+    i32 = torch.empty(rows * k, dtype=torch.int32, device=dev)
+    dq = torch.empty(t, k, dtype=torch.float32, device=dev)
+    for r0 in range(0, t, rows):
+        n = min(rows, t - r0)
+        if granularity == "rowwise":
+            b, v, s = buf[:n], buf[:n], scale_all
+        else:
+            nb = -(-n // GROUP)
+            b = buf[: nb * GROUP]
+            if n < nb * GROUP:
+                b[n:].zero_()
+            v = b.view(nb, GROUP, k)
+        b[:n].copy_(x[r0: r0 + n])
+        if granularity == "group128":
+            amax = _amax_groups(v, 1)
+            amax_all[r0 // GROUP: r0 // GROUP + nb] = amax
+            s = _scale_from_amax(amax, fp8_max, pow2).unsqueeze(1)
+        v.div_(s)
+        b.clamp_(-fp8_max, fp8_max)
+        _round_to_fp8_grid_(b, i32[: b.numel()].view(b.shape), fmt)
+        if b.shape[0] == n:
+            torch.mul(v, s, out=dq[r0: r0 + n].view(v.shape))
+        else:
+            v.mul_(s)
+            dq[r0: r0 + n].copy_(b[:n])
+    if not math.isfinite(float(amax_all.max())):  # amax >= 0; nan propagates through max
+        raise ValueError(_NON_FINITE)
+    return dq

@@ -234,3 +234,91 @@ def test_property_scaled_mm_equals_emulation(m, k, n, pair, fmt_a, seed):
     emu, smm = fp8_mm(qa, qb, backend="emulated"), fp8_mm(qa, qb, backend="scaled_mm")
     scale = emu.abs().max().item() + 1e-30
     assert smm.shape == (m, n) and (emu - smm).abs().max().item() <= 1e-5 * scale
+
+
+# ------------------------------------------------------------------ fast emulation == the plain reference operands
+from fp8core.linear import WeightCache  # noqa: E402
+from fp8core.quant import quantize_reference  # noqa: E402
+
+
+def _reference_three_gemms(x, w, dy, recipe, fmt):
+    """fprop / dgrad / wgrad from quantize_reference operands (the plain path), FP32 products."""
+    cfg = FP8LinearConfig(recipe=recipe, fmt=fmt)
+    act = {"blockwise": "group128", "rowwise": "rowwise", "tensorwise": "tensorwise"}[recipe]
+    wg = {"blockwise": "block128", "rowwise": "rowwise", "tensorwise": "tensorwise"}[recipe]
+    dq = lambda t, g, f="e4m3": dequantize(quantize_reference(t, g, fmt=f))  # noqa: E731
+    y = dq(x, act) @ dq(w, wg).t()
+    w_nk = dq(w.t(), "rowwise").t() if recipe == "rowwise" else dq(w, wg)
+    dx = dq(dy, act, cfg.grad_fmt) @ w_nk
+    dw = dq(dy.t(), act, cfg.grad_fmt) @ dq(x.t(), act).t()
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_emulated_gemms_use_reference_operands(recipe, fmt):
+    """The fast emulation multiplies exactly the reference path's dequantized operands: fprop is bit-identical, and
+    dgrad/wgrad (whose operands are laid out differently for the GEMM) agree to FP32 summation-order rounding."""
+    x, w, dy = _problem(t=300, k=320, n=200)
+    y, dx, dw, _ = _run(x, w, dy, recipe=recipe, fmt=fmt, backend="emulated")
+    y_ref, dx_ref, dw_ref = _reference_three_gemms(x, w, dy, recipe, fmt)
+    assert torch.equal(y, y_ref)
+    for got, ref in ((dx, dx_ref), (dw, dw_ref)):
+        assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+
+
+def test_weight_cache_reuses_until_the_weight_changes():
+    """One quantization per weight version: reused across forwards, rebuilt after an optimizer step, a
+    load_state_dict, a swapped Parameter or a config change; always equal to a fresh quantize."""
+    torch.manual_seed(3)
+    lin = FP8Linear(256, 128, bias=False)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
+    first = lin.quantized_weight()
+    assert lin.quantized_weight() is first
+    x = torch.randn(16, 256)
+    lin(x).sum().backward()
+    assert lin.quantized_weight() is first  # forward + backward do not change the weight
+    opt.step()
+    second = lin.quantized_weight()
+    assert second is not first
+    assert torch.equal(second.data.view(torch.uint8), quantize(lin.weight, "block128").data.view(torch.uint8))
+    lin.load_state_dict({"weight": torch.randn(128, 256)})
+    third = lin.quantized_weight()
+    assert third is not second and torch.equal(third.scale, quantize(lin.weight, "block128").scale)
+    lin.weight = nn.Parameter(torch.randn(128, 256))
+    assert torch.equal(lin.quantized_weight().scale, quantize(lin.weight, "block128").scale)
+    lin.config = FP8LinearConfig(recipe="tensorwise")
+    assert lin.quantized_weight().granularity == "tensorwise"
+
+
+def test_weight_cache_in_training_matches_uncached_training():
+    """Two AdamW updates with gradient accumulation over micro-batches: the cached module and the cache-free
+    functional fp8_linear produce bit-identical weights."""
+    torch.manual_seed(4)
+    w0 = torch.randn(128, 256) / 16
+    mod = FP8Linear(256, 128, bias=False)
+    mod.weight = nn.Parameter(w0.clone())
+    w_fn = nn.Parameter(w0.clone())
+    opts = [torch.optim.AdamW([mod.weight], lr=1e-2), torch.optim.AdamW([w_fn], lr=1e-2)]
+    xs = [torch.randn(40, 256) for _ in range(4)]
+    for step in range(2):
+        for o in opts:
+            o.zero_grad()
+        for x in xs[2 * step: 2 * step + 2]:
+            mod(x).square().mean().backward()
+            fp8_linear(x, w_fn).square().mean().backward()
+        for o in opts:
+            o.step()
+    assert torch.equal(mod.weight, w_fn)
+
+
+def test_weight_cache_clear_and_standalone():
+    cache = WeightCache()
+    w = torch.randn(64, 256)
+    q1, dq1 = cache.get(w, FP8LinearConfig(), dequantized=True)
+    assert torch.equal(dq1, dequantize(quantize_reference(w, "block128")))
+    with torch.no_grad():
+        w.data.mul_(2)  # bypasses the version counter: invisible until clear()
+    assert cache.get(w, FP8LinearConfig())[0] is q1
+    cache.clear()
+    assert torch.equal(cache.get(w, FP8LinearConfig())[0].scale, quantize(w, "block128").scale)

@@ -305,3 +305,122 @@ def test_property_round_trip_relative_to_group_amax(m, k, granularity, fmt, pow2
     err = (dequantize(q).double() - x.double()).abs()
     assert bool((err <= REL_HALF_ULP[fmt] * group_amax * (1 + 1e-6)).all())
     assert q.data.float().abs().max().item() <= FMAX[fmt]
+
+
+# ------------------------------------------------------------------ fast paths == the plain reference, bit for bit
+from fp8core import quant as _quant  # noqa: E402
+from fp8core.quant import (  # noqa: E402
+    quantize_dequantize,
+    quantize_dequantize_columns,
+    quantize_reference,
+)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _edge_matrix(m: int, k: int, fmt: str, seed: int = 0) -> torch.Tensor:
+    """Gaussian rows of widely different magnitudes plus the edge table: all-zero and -0.0 rows, FP32 subnormals,
+    values in the FP8 subnormal range of their group, exact saturation (group amax = fp8_max * 2**j), FP8 ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-6, 4, m).unsqueeze(1)
+    fmax = FMAX[fmt]
+    grid = _fp8_grid(fmt)
+    mids = ((grid[1:] + grid[:-1]) / 2).float()  # exact ties between neighbouring FP8 values (for scale 1)
+    rows = [
+        torch.zeros(k),
+        torch.full((k,), -0.0),
+        torch.full((k,), 1e-40) * torch.linspace(-1, 1, k),  # FP32 subnormals (scale floor 2**-126)
+        torch.cat([torch.tensor([fmax]), mids]).repeat(k // len(mids) + 1)[:k],  # amax = fp8_max: exact ties
+        torch.cat([torch.tensor([-fmax * 4.0]), mids * 4]).repeat(k // len(mids) + 1)[:k],
+        torch.linspace(-fmax, fmax, k) * 2.0**-12,
+    ]
+    for i, r in enumerate(rows[: m]):
+        x[i * 7 % m] = r
+    return x
+
+
+SHAPES_2D = [(1, 1), (3, 5), (7, 129), (130, 200), (257, 128), (300, 1000)]
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fast_quantize_bit_identical_to_reference(granularity, fmt, pow2, dtype, monkeypatch):
+    """The chunked quantize / quantize_dequantize equal the plain whole-tensor reference on every shape (partial groups,
+    partial blocks) and the edge table, with chunks small enough that every shape spans several of them."""
+    monkeypatch.setattr(_quant, "_CHUNK_BYTES", 4096)
+    for m, k in SHAPES_2D:
+        x = _edge_matrix(m, k, fmt).to(dtype)
+        ref = quantize_reference(x, granularity, fmt=fmt, pow2=pow2)
+        got = quantize(x, granularity, fmt=fmt, pow2=pow2)
+        assert torch.equal(_bits(got.data), _bits(ref.data)), (m, k)
+        assert torch.equal(_bits(got.scale), _bits(ref.scale)), (m, k)
+        dq, q = quantize_dequantize(x, granularity, fmt=fmt, pow2=pow2, keep_data=True)
+        assert torch.equal(_bits(q.data), _bits(ref.data)) and torch.equal(q.scale, ref.scale)
+        assert torch.equal(_bits(dq), _bits(dequantize(ref))), (m, k)
+        dq_only, _ = quantize_dequantize(x, granularity, fmt=fmt, pow2=pow2)  # FP32 grid rounding, no FP8 codes
+        assert torch.equal(_bits(dq_only), _bits(dequantize(ref))), (m, k)
+        if granularity != "block128":
+            cols = quantize_dequantize_columns(x, granularity, fmt=fmt, pow2=pow2)
+            ref_t = dequantize(quantize_reference(x.t(), granularity, fmt=fmt, pow2=pow2)).t()
+            assert torch.equal(_bits(cols), _bits(ref_t)), (m, k)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_fast_quantize_batched_and_transposed_inputs(granularity, monkeypatch):
+    monkeypatch.setattr(_quant, "_CHUNK_BYTES", 8192)
+    x = torch.randn(3, 40, 300)
+    for inp in (x, x.transpose(0, 1), x[0].t(), x[..., :130]):
+        ref = quantize_reference(inp, granularity)
+        got = quantize(inp, granularity)
+        assert torch.equal(_bits(got.data), _bits(ref.data)) and torch.equal(got.scale, ref.scale)
+        assert torch.equal(quantize_dequantize(inp, granularity)[0], dequantize(ref))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp32_grid_rounding_equals_torch_fp8_cast(fmt):
+    """_round_to_fp8_grid_ == x.to(fp8).to(float32) bit for bit: every tie between neighbouring FP8 values and the
+    FP32 neighbours of each tie and of each FP8 value, both signs; a dense sweep of every FP32 value in two binades
+    (one normal, one subnormal for FP8); FP32 subnormals; signed zeros."""
+    grid = _fp8_grid(fmt).float()
+    grid = grid[grid <= FMAX[fmt]]
+    mids = (grid[1:] + grid[:-1]) / 2
+    pts = torch.cat([grid, mids])
+    near = torch.cat([pts, torch.nextafter(pts, torch.full_like(pts, math.inf)),
+                      torch.nextafter(pts, torch.zeros_like(pts))])
+    lo_exp = -7 if fmt == "e4m3" else -15
+    dense = []
+    for e in (lo_exp, 1):  # all 2**23 FP32 values of [2**e, 2**(e+1))
+        base = torch.tensor(2.0**e).view(torch.int32)
+        dense.append((base + torch.arange(0, 1 << 23, dtype=torch.int32)).view(torch.float32))
+    v = torch.cat([near, *dense, torch.tensor([0.0, 1e-45, 1e-40, 2.0**-126])])
+    v = v[v.abs() <= FMAX[fmt]]
+    v = torch.cat([v, -v])
+    ref = v.to(FP8_DTYPES[fmt]).to(torch.float32)
+    got = _quant._round_to_fp8_grid_(v.clone(), torch.empty(v.shape, dtype=torch.int32), fmt)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_dequantize_table_equals_torch_cast(fmt):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPES[fmt]).reshape(16, 16)
+    for data in (codes, codes.t(), codes[::2, 1:]):
+        assert torch.equal(_quant._fp8_to_fp32(data).view(torch.int32), data.to(torch.float32).view(torch.int32))
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_fast_paths_reject_non_finite(bad, granularity, monkeypatch):
+    monkeypatch.setattr(_quant, "_CHUNK_BYTES", 4096)
+    x = torch.randn(300, 200)
+    x[257, 3] = bad  # in the last chunk
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize(x, granularity)
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_dequantize(x, granularity)
+    if granularity != "block128":
+        with pytest.raises(ValueError, match="non-finite"):
+            quantize_dequantize_columns(x, granularity)
