@@ -129,6 +129,9 @@ class PolicyCfg:
     logprob_batch_size: int = 16
     max_total_sequence_length: int = 256
     precision: Literal["bfloat16", "float32"] = "bfloat16"
+    # how precision=bfloat16 is computed: native = torch.autocast BF16; emulated = BF16-rounded GEMM operands and
+    # results with FP32 GEMMs (fp8core.bf16; CPUs without BF16 units); auto = native where the CPU has BF16 units
+    bf16_mode: Literal["auto", "native", "emulated"] = "auto"
     max_grad_norm: float = 1.0
     optimizer: OptimizerCfg = field(default_factory=OptimizerCfg)
     scheduler: SchedulerCfg = field(default_factory=SchedulerCfg)

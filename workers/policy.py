@@ -42,10 +42,33 @@ import torch
 from configs.schema import Config
 
 
-def _autocast(precision: str, device: torch.device):
+def _autocast(precision: str, device: torch.device, bf16_emulation=None):
+    """The forward's precision context: BF16 autocast, the BF16 emulation (``policy.bf16_mode`` emulated: an
+    fp8core.bf16.BF16Emulation instance) or nothing (float32)."""
     if precision == "bfloat16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        return bf16_emulation if bf16_emulation is not None else torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def keep_freed_heap_memory() -> bool:
+    """Stop glibc from returning freed large blocks to the OS (mallopt M_MMAP_THRESHOLD / M_TRIM_THRESHOLD = 1 GiB).
+
+    torch's CPU allocator is plain malloc: with two or more multi-MB tensors alive, glibc serves each new one with a
+    fresh mmap and unmaps it on free, so every activation / quantization temporary page-faults on first touch
+    (measured: allocating and filling two 5 MB tensors 4.5 ms vs 0.15 ms with this set; a copy-sized op 30x slower).
+    The trainer's peak memory is unchanged; its RSS just stays at the peak. Linux/glibc only; returns whether set."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
 
 
 def lr_lambda(step: int, *, warmup_steps: int, decay: str, total_steps: int, min_lr_ratio: float) -> float:
@@ -126,6 +149,13 @@ class PolicyWorker:
         self.model_dir = Path(model_dir)
         self.run_dir = Path(run_dir) if run_dir else None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
+            keep_freed_heap_memory()
+        from fp8core.bf16 import BF16Emulation, resolve_bf16_mode
+        from fp8core.cpu import cpu_caps
+
+        self.bf16_mode = resolve_bf16_mode(p.bf16_mode, device=self.device, native_bf16=cpu_caps().native_bf16)
+        self.bf16_emulation = BF16Emulation() if self.bf16_mode == "emulated" else None
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
         self.model.config.use_cache = False
@@ -164,6 +194,7 @@ class PolicyWorker:
     def info(self) -> dict:
         n = sum(p.numel() for p in self.model.parameters())
         return {"num_params": n, "fp8_layers": len(self.fp8_layers), "device": str(self.device),
+                "bf16_mode": self.bf16_mode if self.cfg.policy.precision == "bfloat16" else "off",
                 "clip_bounds": [self.clip_low, self.clip_high], "step": self.step,
                 "num_layers": self.model.config.num_hidden_layers}
 
@@ -184,7 +215,7 @@ class PolicyWorker:
     def _token_logp(self, b: Batch, *, want_entropy: bool = False):
         """Forward one micro-batch; returns (logp [B, L] aligned to tokens, entropy [B, L] or None)."""
         tokens, attn = b.tokens.to(self.device), b.attn.to(self.device)
-        with _autocast(self.cfg.policy.precision, self.device):
+        with _autocast(self.cfg.policy.precision, self.device, self.bf16_emulation):
             logits = self.model(input_ids=tokens, attention_mask=attn).logits
         z = logits[:, :-1].float() / self.cfg.policy.generation.temperature
         lp = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
@@ -346,7 +377,7 @@ class PolicyWorker:
         bs = self.cfg.policy.logprob_batch_size
         batches = [{"input_ids": b.tokens[i:i + bs].to(self.device), "attention_mask": b.attn[i:i + bs].to(self.device)}
                    for i in range(0, len(b), bs)]
-        with _autocast(self.cfg.policy.precision, self.device):
+        with _autocast(self.cfg.policy.precision, self.device, self.bf16_emulation):
             scales = calibrate_kv_scales(self.model, batches)
         self.model.train(was)
         self.kv_scales = {k: [float(x) for x in v] for k, v in scales.items()}

@@ -21,6 +21,7 @@ READERS = {
     "policy.logprob_batch_size": ("workers/policy.py", ".logprob_batch_size"),
     "policy.max_total_sequence_length": ("configs/schema.py", "p.max_total_sequence_length"),  # checked at load
     "policy.precision": ("workers/policy.py", "policy.precision"),
+    "policy.bf16_mode": ("workers/policy.py", "p.bf16_mode"),
     "policy.max_grad_norm": ("workers/policy.py", ".max_grad_norm"),
     "policy.optimizer.lr": ("workers/policy.py", "o.lr"),
     "policy.optimizer.weight_decay": ("workers/policy.py", "o.weight_decay"),
