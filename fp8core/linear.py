@@ -306,6 +306,12 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, config: FP8LinearConfig, cache: WeightCache | None):
+        # FP8 numerics are fixed here: no torch-function mode (e.g. fp8core.bf16.BF16Emulation) may re-round them
+        with torch._C.DisableTorchFunction():
+            return _FP8LinearFunction._forward(ctx, x, weight, bias, config, cache)
+
+    @staticmethod
+    def _forward(ctx, x, weight, bias, config: FP8LinearConfig, cache: WeightCache | None):
         cache = WeightCache() if cache is None else cache
         backend = resolve_backend(config.backend, x.device)
         emulated = backend == "emulated"

@@ -105,3 +105,16 @@ def test_resolve_mode():
     assert resolve_bf16_mode("native", device=cpu, native_bf16=False) == "native"
     with pytest.raises(ValueError, match="bf16_mode"):
         resolve_bf16_mode("fast", device=cpu, native_bf16=True)
+
+
+def test_fp8_linear_is_untouched_by_the_mode():
+    """FP8Linear inside BF16Emulation computes exactly its FP8 numerics (the mode must not re-round its GEMMs)."""
+    from fp8core.linear import FP8Linear
+
+    torch.manual_seed(5)
+    lin = FP8Linear(256, 128, bias=False)
+    x = torch.randn(8, 256)
+    ref = lin(x)
+    with BF16Emulation():
+        got = lin(x)
+    assert torch.equal(got, ref)
