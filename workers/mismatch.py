@@ -185,7 +185,8 @@ def mismatch_table(model_dir: str | Path, *, run_dir: str | Path, prompts: list[
     d, st_d, _ = sample_and_compare(model_dir, fp8kv_cfg, trainers={"d": trainer_fp8}, kv_scales=kv_scales, **kw)
     return {"rows": {**a, **bc, **d}, "kv_capacity_tokens": {"bf16": st_a["kv_capacity_tokens"],
                                                              "fp8": st_d["kv_capacity_tokens"]},
-            "kv_cache_memory_bytes": base.kv_cache_memory_bytes, "kv_scales": kv_scales}
+            "kv_cache_memory_bytes": base.kv_cache_memory_bytes, "kv_scales": kv_scales,
+            "kv_mode": st_d["kv_mode"], "cpu_kind": st_d["cpu"]["kind"]}
 
 
 def _tokenizer(model_dir: Path):
@@ -213,7 +214,9 @@ def format_table(table: dict) -> str:
     cap = table["kv_capacity_tokens"]
     lines.append("")
     lines.append(f"KV capacity under {table['kv_cache_memory_bytes']} bytes: bf16 {cap['bf16']} tokens, "
-                 f"fp8 {cap['fp8']} tokens")
+                 f"fp8 {cap['fp8']} tokens; row (d) FP8 KV cache {table.get('kv_mode', '?')} on CPU kind "
+                 f"{table.get('cpu_kind', '?')} (emulated: BF16 capacity, rounding to nearest; native CPU: "
+                 f"truncation toward zero)")
     return "\n".join(lines)
 
 

@@ -1,5 +1,7 @@
 """The fp8core_block vLLM quantization method: layer selection, numerics identical to the trainer's FP8Linear,
-FP8 weights held by the engine after refit bit-identical to fp8core.quantize, FP8 KV cache with applied scales."""
+FP8 weights held by the engine after refit bit-identical to fp8core.quantize. The engine here keeps a BF16 KV cache,
+so these tests run on every CPU kind (vLLM's FP8 KV cache needs AVX-512/AMX); the FP8 KV cache and its scales are
+tested in tests/workers/test_fp8_kv_cache.py (native where the CPU has it, emulated everywhere)."""
 from pathlib import Path
 
 import pytest
@@ -96,7 +98,7 @@ def model_dir():
 def worker(model_dir, tmp_path_factory):
     from workers.rollout import RolloutConfig, RolloutWorker
 
-    cfg = RolloutConfig(precision="fp8", kv_cache_dtype="fp8", num_first_layers_in_bf16=FIRST_BF16,
+    cfg = RolloutConfig(precision="fp8", kv_cache_dtype="auto", num_first_layers_in_bf16=FIRST_BF16,
                         pow2_weight_scaling_factors=POW2_W, kv_cache_memory_bytes=16 << 20, max_model_len=256)
     w = RolloutWorker(model_dir, cfg, run_dir=tmp_path_factory.mktemp("fp8-run"))
     yield w
@@ -174,11 +176,8 @@ def test_refit_fp8_weights_bit_identical_to_fp8core_quantize(worker, checkpoint)
 
 
 def test_fp8_engine_matches_fp8_trainer_after_refit(worker, model_dir, checkpoint, prompts):
-    from workers.mismatch import calibrate_kv_scales, flatten_results
-
+    assert worker.stats()["kv_mode"] == "bf16"  # no FP8 KV cache: these tests run on every CPU kind
     old = _fp8_trainer(model_dir)
-    ps, rs, _ = flatten_results(worker.generate(prompts, n=2, max_tokens=24, seed=0))
-    worker.set_kv_scales(calibrate_kv_scales(old, ps, rs))
     before = _error(old, worker.generate(prompts, n=4, max_tokens=24, seed=1))
     gen = torch.Generator().manual_seed(2)
     new = {k: v.float() + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen) if v.dim() > 1 else v.float()
@@ -193,26 +192,3 @@ def test_fp8_engine_matches_fp8_trainer_after_refit(worker, model_dir, checkpoin
         assert err_old > err_new + 0.1
     finally:
         worker.refit(checkpoint)
-
-
-def test_kv_scales_change_and_restore_logprobs(worker, model_dir, prompts):
-    """CPU FP8 KV cache reads the per-layer float scales: wrong scales (100: values collapse to a few FP8 codes;
-    1e-3: saturation at 448 * 1e-3) wreck the logprobs, the calibrated ones give them back exactly."""
-    from workers.mismatch import calibrate_kv_scales, flatten_results
-
-    trainer = _fp8_trainer(model_dir)
-    ps, rs, _ = flatten_results(worker.generate(prompts, n=2, max_tokens=24, seed=0))
-    calibrated = calibrate_kv_scales(trainer, ps, rs)
-    errors = {}
-    outs = {}
-    for label, scales in (("calibrated", calibrated), ("x100", {"k_scale": [100.0] * 4, "v_scale": [100.0] * 4}),
-                          ("1e-3", {"k_scale": [1e-3] * 4, "v_scale": [1e-3] * 4}), ("calibrated again", calibrated)):
-        worker.set_kv_scales(scales)
-        outs[label] = worker.generate(prompts, n=4, max_tokens=24, seed=5)
-        errors[label] = _error(trainer, outs[label])
-    print("KV scales -> token_mult_prob_error vs FP8 trainer:", {k: round(v, 4) for k, v in errors.items()})
-    assert errors["calibrated"] < 1.05
-    for wrong in ("x100", "1e-3"):  # measured: calibrated 1.012, x100 1.066, 1e-3 1.31
-        assert errors[wrong] - 1 > 3 * (errors["calibrated"] - 1), wrong
-    assert outs["calibrated again"] == outs["calibrated"]
-    assert worker.get_kv_scales()["k_scale"] == calibrated["k_scale"]
