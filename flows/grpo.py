@@ -130,6 +130,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         log_text(uri, run_id, to_yaml(cfg), "config.resolved.yaml")
 
     started_ray, workers, status = False, None, "FAILED"
+    cpu = {"cpu_kind": caps.kind, "cpu_model": caps.model, "cpu_cap": caps.cap}  # the actors' kinds once they are up
     val_acc: dict[int, float] = {}
     last_ck, history = None, []
     try:
@@ -142,6 +143,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
              f"({info['fp8_layers']} FP8 linears, CPU kind {p_cpu['kind']}), rollout vLLM "
              f"{cfg.policy.generation.vllm_cfg.precision} kv={r_stats['kv_mode']} (CPU kind {r_stats['cpu']['kind']})")
         # Tags, not params: a resumed run may land on another CPU (params are immutable in MLflow).
+        cpu.update(cpu_kind=p_cpu["kind"], cpu_rollout_kind=r_stats["cpu"]["kind"], kv_mode=r_stats["kv_mode"])
         set_tags(uri, run_id, {"cpu/kind": caps.kind, "cpu/rollout_kind": r_stats["cpu"]["kind"],
                                "cpu/policy_kind": p_cpu["kind"], "cpu/cap": caps.cap or "none",
                                "rollout/kv_mode": r_stats["kv_mode"]})
@@ -195,6 +197,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
             if started_ray:
                 ray.shutdown()
         summary = _summary(cfg, history, val_acc, start_step, last_ck, uri, run_id, time.perf_counter() - t_start)
+        summary.update(cpu)  # cpu_kind: where the trainer ran (the regression's throughput floor is per kind)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         if uri and run_id:
             if val_acc:

@@ -6,7 +6,9 @@
 Trains the BF16 recipe and the end-to-end FP8 recipe with the same seed and number of steps (checked before any
 training starts) as two ``fp8-grpo`` subflows whose MLflow runs become child runs of one parent run; then logs to the
 parent a comparison plot (validation accuracy, reward, token-mult-prob-error, throughput against step) and a verdict
-(tasks/regression.py: accuracy drop, FP8 mismatch, FP8/BF16 throughput ratio, each against a threshold parameter).
+(tasks/regression.py: accuracy drop, FP8 mismatch, FP8/BF16 throughput ratio, each against a threshold parameter;
+the throughput floor is per CPU kind -- ``min_throughput_ratio`` None = tasks/regression.py ``MIN_THROUGHPUT_RATIO``,
+a number = that floor on every kind, a ``{kind: floor}`` mapping = overrides -- and the verdict names the kind).
 The flow run fails (``RegressionFailed``) when the verdict fails; the parent run is then marked FAILED with tag
 ``verdict=fail``.
 
@@ -37,14 +39,33 @@ class RegressionFailed(RuntimeError):
     """The FP8 run regressed against BF16 beyond a threshold (the message lists the failed checks)."""
 
 
-def _check_thresholds(max_accuracy_drop: float, max_token_mult_prob_error: float, min_throughput_ratio: float):
+def _check_thresholds(max_accuracy_drop: float, max_token_mult_prob_error: float,
+                      min_throughput_ratio: float | dict[str, float] | None):
     if not max_accuracy_drop >= 0:
         raise ValueError(f"max_accuracy_drop: must be >= 0 (an accuracy difference), got {max_accuracy_drop}")
     if not max_token_mult_prob_error >= 1.0:
         raise ValueError("max_token_mult_prob_error: mean exp(|logp_train - logp_rollout|) is >= 1, so a threshold "
                          f"below 1 can never pass; got {max_token_mult_prob_error}")
-    if not min_throughput_ratio > 0:
-        raise ValueError(f"min_throughput_ratio: must be > 0, got {min_throughput_ratio}")
+    ratios = min_throughput_ratio.values() if isinstance(min_throughput_ratio, dict) else \
+        ([] if min_throughput_ratio is None else [min_throughput_ratio])
+    if not all(isinstance(r, (int, float)) and r > 0 for r in ratios):
+        raise ValueError(f"min_throughput_ratio: must be > 0 (a number, or {{cpu kind: number}}), "
+                         f"got {min_throughput_ratio}")
+    if isinstance(min_throughput_ratio, dict):
+        from fp8core.cpu import KINDS
+
+        unknown = sorted(set(min_throughput_ratio) - set(KINDS) - {"gpu"})
+        if unknown:
+            raise ValueError(f"min_throughput_ratio: unknown CPU kinds {unknown} (kinds: {', '.join(KINDS)}, gpu)")
+
+
+def _cpu_kind(summaries: dict) -> str:
+    """The kind the FP8 run trained on (its trainer's node); says so when the two runs saw different kinds."""
+    kinds = {role: s.get("cpu_kind", "unknown") for role, s in summaries.items()}
+    fp8 = kinds.get("fp8", "unknown")
+    if len(set(kinds.values())) > 1:
+        print(f"regression: the runs trained on different CPU kinds {kinds}; the floor of {fp8} applies", flush=True)
+    return fp8
 
 
 def _same_seed_and_steps(bf16_recipe: str, fp8_recipe: str, overrides: list[str]):
@@ -64,15 +85,18 @@ def _same_seed_and_steps(bf16_recipe: str, fp8_recipe: str, overrides: list[str]
 @flow(name="fp8-grpo-regression", log_prints=False, validate_parameters=True)
 def regression(bf16_recipe: str = "configs/tiny_bf16.yaml", fp8_recipe: str = "configs/tiny_fp8_e2e.yaml",
                overrides: list[str] | None = None, max_accuracy_drop: float = 0.05,
-               max_token_mult_prob_error: float = 1.10, min_throughput_ratio: float = 0.2,
+               max_token_mult_prob_error: float = 1.10,
+               min_throughput_ratio: float | dict[str, float] | None = None,
                experiment_name: str = "fp8-grpo-regression", tracking_uri: str | None = None,
                run_dir: str = "runs/regression") -> dict:
     from flows.grpo import grpo
+    from fp8core.cpu import cpu_caps
     from tasks.regression import (
         comparison_plot,
         create_parent_run,
         link_child,
         log_verdict,
+        throughput_threshold,
         verdict,
         verdict_markdown,
     )
@@ -90,7 +114,9 @@ def regression(bf16_recipe: str = "configs/tiny_bf16.yaml", fp8_recipe: str = "c
         uri, experiment_name, name,
         params={"bf16_recipe": bf16_recipe, "fp8_recipe": fp8_recipe, "overrides": " ".join(overrides),
                 "max_accuracy_drop": max_accuracy_drop, "max_token_mult_prob_error": max_token_mult_prob_error,
-                "min_throughput_ratio": min_throughput_ratio, "grpo.seed": cfg_b.grpo.seed,
+                "min_throughput_ratio": "per CPU kind (tasks/regression.py MIN_THROUGHPUT_RATIO)"
+                if min_throughput_ratio is None else min_throughput_ratio,
+                "cpu/driver_kind": cpu_caps().kind, "cpu/model": cpu_caps().model, "grpo.seed": cfg_b.grpo.seed,
                 "grpo.max_num_steps": cfg_b.grpo.max_num_steps},
         tags={"kind": "regression", "bf16_recipe": cfg_b.recipe, "fp8_recipe": cfg_f.recipe,
               "precision": f"{cfg_b.precision_tag} vs {cfg_f.precision_tag}"})
@@ -110,8 +136,10 @@ def regression(bf16_recipe: str = "configs/tiny_bf16.yaml", fp8_recipe: str = "c
                 if run_id:
                     children[role] = run_id
         plot = comparison_plot(uri, parent, children, str(out_dir))
+        kind = _cpu_kind(summaries)
         v = verdict(summaries["bf16"], summaries["fp8"], max_accuracy_drop=max_accuracy_drop,
-                    max_token_mult_prob_error=max_token_mult_prob_error, min_throughput_ratio=min_throughput_ratio)
+                    max_token_mult_prob_error=max_token_mult_prob_error,
+                    min_throughput_ratio=throughput_threshold(kind, min_throughput_ratio), cpu_kind=kind)
         md = verdict_markdown(v, parent_run_id=parent, children=children)
         (out_dir / "verdict.md").write_text(md)
         log_verdict(uri, parent, v, md, cfg_b.grpo.max_num_steps)

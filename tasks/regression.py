@@ -7,7 +7,10 @@ The verdict compares the end-to-end FP8 run with the BF16 run of the same seed a
 - mismatch:   mean ``mismatch/token_mult_prob_error`` of the FP8 run ``<= max_token_mult_prob_error``
   (mean_t exp(|logp_train - logp_rollout|), NeMo RL's multiplicative probability error; 1.0 = no mismatch);
 - throughput: ``(samples/s of FP8) / (samples/s of BF16) >= min_throughput_ratio``, samples/s of a whole RL step
-  (both runs have the same prompts x generations per step, so this is the ratio of mean step times).
+  (both runs have the same prompts x generations per step, so this is the ratio of mean step times). The ratio
+  depends on the CPU kind (fp8core.cpu): FP8 is emulated on CPU (quantize -> dequantize -> FP32 GEMM) while BF16
+  runs on BF16 units only where the CPU has them (AVX512_BF16 / AMX); without them BF16 autocast is the slow path.
+  So the floor is per kind (``MIN_THROUGHPUT_RATIO``, overridable), and the verdict states the kind it used.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from prefect import task
@@ -27,15 +31,31 @@ PLOT_KEYS = ("val/accuracy", "reward/mean", "mismatch/token_mult_prob_error", "t
              "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s")
 
 
+# FP8/BF16 samples-per-second floor per CPU kind (fp8core.cpu.KINDS; "gpu" when the trainer runs on a GPU). One
+# value for every kind until each kind has a measured nightly history to set it from (README "CPU kinds").
+MIN_THROUGHPUT_RATIO: dict[str, float] = {"other": 0.2, "avx2": 0.2, "avx512": 0.2, "avx512_bf16": 0.2, "amx": 0.2,
+                                          "gpu": 0.2}
+
+
+def throughput_threshold(cpu_kind: str, override: float | Mapping[str, float] | None = None) -> float:
+    """The throughput floor for ``cpu_kind``: ``override`` when it is a number, else its entry for the kind, else
+    ``MIN_THROUGHPUT_RATIO``'s (kinds it does not know fall back to the lowest floor there)."""
+    if isinstance(override, (int, float)) and not isinstance(override, bool):
+        return float(override)
+    table = {**MIN_THROUGHPUT_RATIO, **dict(override or {})}
+    return float(table.get(cpu_kind, min(table.values())))
+
+
 def _num(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x)) else None
 
 
 def verdict(bf16: dict, fp8: dict, *, max_accuracy_drop: float, max_token_mult_prob_error: float,
-            min_throughput_ratio: float) -> dict:
+            min_throughput_ratio: float, cpu_kind: str = "unknown") -> dict:
     """Checks of the FP8 run summary against the BF16 one (keys as returned by the ``fp8-grpo`` flow:
     ``val_accuracy_end``, ``mean_token_mult_prob_error``, ``mean_step_s``). A missing or non-finite value fails its
-    check. Returns ``{"passed": bool, "checks": [{name, value, threshold, passed, rule}], "info": {...}}``."""
+    check. ``cpu_kind`` is the kind the runs trained on (the throughput floor is per kind). Returns
+    ``{"passed": bool, "cpu_kind": str, "checks": [{name, value, threshold, passed, rule}], "info": {...}}``."""
     checks = []
 
     def add(name: str, value: float | None, threshold: float, ok, rule: str):
@@ -52,7 +72,7 @@ def verdict(bf16: dict, fp8: dict, *, max_accuracy_drop: float, max_token_mult_p
     s_b, s_f = _num(bf16.get("mean_step_s")), _num(fp8.get("mean_step_s"))
     ratio = s_b / s_f if s_b is not None and s_f else None
     add("throughput_ratio", ratio, min_throughput_ratio, lambda v: v >= min_throughput_ratio,
-        "samples_per_s(fp8) / samples_per_s(bf16) >= min_throughput_ratio")
+        f"samples_per_s(fp8) / samples_per_s(bf16) >= min_throughput_ratio (CPU kind {cpu_kind})")
 
     def r(key):
         a, b = _num(fp8.get(key)), _num(bf16.get(key))
@@ -63,12 +83,13 @@ def verdict(bf16: dict, fp8: dict, *, max_accuracy_drop: float, max_token_mult_p
             "mean_step_s_bf16": s_b, "mean_step_s_fp8": s_f,
             "rollout_tokens_per_s_ratio": r("mean_rollout_tokens_per_s"),
             "train_tokens_per_s_ratio": r("mean_train_tokens_per_s")}
-    return {"passed": all(c["passed"] for c in checks), "checks": checks, "info": info}
+    return {"passed": all(c["passed"] for c in checks), "cpu_kind": cpu_kind, "checks": checks, "info": info}
 
 
 def verdict_markdown(v: dict, *, parent_run_id: str, children: dict[str, str]) -> str:
     lines = [f"# FP8 vs BF16 regression: {'PASS' if v['passed'] else 'FAIL'}", "",
              f"MLflow parent run `{parent_run_id}`; children: " + ", ".join(f"{k} `{r}`" for k, r in children.items()),
+             "", f"CPU kind: {v.get('cpu_kind', 'unknown')} (the throughput floor depends on it)",
              "", "| check | value | threshold | rule | result |", "|---|---|---|---|---|"]
     for c in v["checks"]:
         val = "missing" if c["value"] is None else f"{c['value']:.4f}"
@@ -153,4 +174,5 @@ def log_verdict(uri: str, parent_run_id: str, v: dict, markdown: str, step: int)
     metrics.append(Metric("regression/passed", float(v["passed"]), now, step))
     c.log_batch(parent_run_id, metrics=metrics)
     c.set_tag(parent_run_id, "verdict", "pass" if v["passed"] else "fail")
+    c.set_tag(parent_run_id, "cpu_kind", v.get("cpu_kind", "unknown"))
     create_markdown_artifact(markdown, key="fp8-vs-bf16-verdict", description="FP8 vs BF16 regression verdict")

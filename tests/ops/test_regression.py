@@ -10,7 +10,7 @@ import uuid
 import pytest
 from _ops import PREFECT, ROOT, TINY, run_logged
 
-from tasks.regression import verdict
+from tasks.regression import MIN_THROUGHPUT_RATIO, throughput_threshold, verdict
 
 BF16 = {"val_accuracy_end": 0.40, "mean_token_mult_prob_error": 1.004, "mean_step_s": 10.0,
         "mean_rollout_tokens_per_s": 2000.0, "mean_train_tokens_per_s": 800.0}
@@ -56,7 +56,37 @@ def test_fp8_better_than_bf16_passes():
     assert v["passed"] and _by_name(v)["accuracy_drop"]["value"] == pytest.approx(-0.2)
 
 
+def test_throughput_floor_is_per_cpu_kind_and_the_verdict_names_the_kind():
+    from fp8core.cpu import KINDS
+
+    assert set(KINDS) | {"gpu"} == set(MIN_THROUGHPUT_RATIO)
+    assert throughput_threshold("avx2") == MIN_THROUGHPUT_RATIO["avx2"]
+    assert throughput_threshold("avx2", 0.7) == 0.7  # a number: the floor on every kind
+    assert throughput_threshold("avx2", {"avx2": 0.9}) == 0.9 and throughput_threshold("amx", {"avx2": 0.9}) == \
+        MIN_THROUGHPUT_RATIO["amx"]
+    assert throughput_threshold("riscv", {"avx2": 0.05}) == 0.05  # unknown kind: the lowest floor
+    v = verdict(BF16, FP8, **{**LENIENT, "min_throughput_ratio": throughput_threshold("avx512_bf16", {"avx512_bf16":
+                                                                                                      0.6})},
+                cpu_kind="avx512_bf16")
+    assert not v["passed"] and v["cpu_kind"] == "avx512_bf16"
+    c = _by_name(v)["throughput_ratio"]
+    assert c["threshold"] == 0.6 and "CPU kind avx512_bf16" in c["rule"]
+    from tasks.regression import verdict_markdown
+
+    assert "CPU kind: avx512_bf16" in verdict_markdown(v, parent_run_id="p", children={})
+
+
+def test_cpu_kind_of_the_runs():
+    from flows.regression import _cpu_kind
+
+    assert _cpu_kind({"bf16": {"cpu_kind": "avx2"}, "fp8": {"cpu_kind": "avx2"}}) == "avx2"
+    assert _cpu_kind({"bf16": {"cpu_kind": "amx"}, "fp8": {"cpu_kind": "avx2"}}) == "avx2"
+    assert _cpu_kind({"bf16": {}, "fp8": {}}) == "unknown"
+
+
 @pytest.mark.parametrize("kwargs, needle", [
+    (dict(min_throughput_ratio={"avx2": -1.0}), "min_throughput_ratio"),
+    (dict(min_throughput_ratio={"avx3": 0.5}), "unknown CPU kinds"),
     (dict(max_token_mult_prob_error=0.99), "max_token_mult_prob_error"),
     (dict(max_accuracy_drop=-0.1), "max_accuracy_drop"),
     (dict(min_throughput_ratio=0.0), "min_throughput_ratio"),
@@ -136,3 +166,8 @@ def test_nightly_deployment_parent_children_plot_verdict(stack, tmp_path):
     assert checks["token_mult_prob_error"]["value"] > 1.0
     assert checks["accuracy_drop"]["value"] is not None and checks["throughput_ratio"]["value"] > 0
     assert parent.data.metrics["regression/passed"] == 0.0
+    from fp8core.cpu import cpu_caps
+
+    # the runs trained on this machine: the verdict states its kind and used that kind's floor
+    assert v["cpu_kind"] == cpu_caps().kind == parent.data.tags["cpu_kind"]
+    assert checks["throughput_ratio"]["threshold"] == MIN_THROUGHPUT_RATIO[cpu_caps().kind]
