@@ -211,6 +211,18 @@ class PolicyWorker:
         dt = getattr(torch, dtype)
         return {k: v.detach().to("cpu", dt).clone() for k, v in self.model.state_dict().items()}
 
+    def refit_weights(self) -> dict[str, torch.Tensor]:
+        """What a refit ships. End-to-end FP8 (the engine runs this trainer's FP8 numerics, Config.rollout_fp8_spec
+        == trainer_fp8_spec): the served state (fp8core.serve: this trainer's FP8 codes + weight_scale_inv for the
+        FP8 linears, BF16 -- the engine's model dtype -- for the rest), loaded by the engine without re-quantizing.
+        Otherwise the FP32 masters (``weights()``), which an FP8-generation-only engine quantizes itself."""
+        trainer, rollout = self.cfg.trainer_fp8_spec(), self.cfg.rollout_fp8_spec()
+        if trainer is not None and rollout is not None and trainer.forward_key() == rollout.forward_key():
+            from fp8core.serve import served_state_dict
+
+            return served_state_dict(self.model, hp_dtype=torch.bfloat16)
+        return self.weights()
+
     # ---------------------------------------------------------------------------------------------------- logprobs
     def _token_logp(self, b: Batch, *, want_entropy: bool = False):
         """Forward one micro-batch; returns (logp [B, L] aligned to tokens, entropy [B, L] or None)."""
@@ -380,7 +392,8 @@ class PolicyWorker:
         with _autocast(self.cfg.policy.precision, self.device, self.bf16_emulation):
             scales = calibrate_kv_scales(self.model, batches)
         self.model.train(was)
-        self.kv_scales = {k: [float(x) for x in v] for k, v in scales.items()}
+        # version: the policy step whose weights produced these scales (the engine refuses stale ones at refit)
+        self.kv_scales = {**{k: [float(x) for x in v] for k, v in scales.items()}, "version": self.step}
         return self.kv_scales
 
     def get_kv_scales(self) -> dict[str, list[float]] | None:

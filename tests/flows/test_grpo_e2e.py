@@ -24,6 +24,7 @@ def test_tiny_fp8_two_steps_then_resume_from_s3(tmp_path, moto_s3, capsys):
     from mlflow.tracking import MlflowClient
 
     from flows.grpo import grpo
+    from fp8core.cpu import cpu_caps
     from workers.checkpoint import CheckpointStore
 
     s3fs.S3FileSystem(client_kwargs={"endpoint_url": moto_s3}).mkdir("ckpt-bucket")
@@ -50,6 +51,13 @@ def test_tiny_fp8_two_steps_then_resume_from_s3(tmp_path, moto_s3, capsys):
     assert run.data.tags["recipe"] == "tiny_fp8_e2e_kv" and run.data.tags["precision"] == "fp8-e2e-kvfp8"
     assert run.data.params["policy.megatron_cfg.fp8_cfg.fp8_recipe"] == "blockwise"
     assert run.data.params["policy.generation.vllm_cfg.kv_cache_dtype"] == "fp8"
+    # FP8 KV on every CPU: vLLM's native cache where it has AVX-512/AMX, the emulated one elsewhere (issue 9)
+    caps = cpu_caps()
+    assert run.data.params["cpu/kind"] == caps.kind and run.data.params["cpu/model"] == caps.model
+    assert run.data.tags["rollout/kv_mode"] == ("fp8-native" if caps.native_fp8_kv else "fp8-emulated")
+    assert run.data.tags["cpu/rollout_kind"] == run.data.tags["cpu/policy_kind"] == caps.kind
+    assert s1["cpu_kind"] == caps.kind
+    assert "CPU " in out and f"kind {caps.kind}" in out
     assert [m.step for m in c.get_metric_history(run.info.run_id, "val/accuracy")] == [0, 1, 2]
     arts = {a.path for a in c.list_artifacts(run.info.run_id)}
     assert {"config.resolved.yaml", "curves.png", "samples", "checkpoints", "summary.json"} <= arts, arts
@@ -68,3 +76,37 @@ def test_tiny_fp8_two_steps_then_resume_from_s3(tmp_path, moto_s3, capsys):
     steps = sorted({m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")})
     assert steps == [1, 2, 3]
     assert store.complete_steps() == [1, 2, 3] and c.get_run(run.info.run_id).info.status == "FINISHED"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_fp8_kv_recipe_under_the_avx2_cap(tmp_path, monkeypatch, capsys):
+    """FP8GRPO_CPU_CAP=avx2 set for the run: the driver's load-time check picks the emulated KV cache, the cap
+    reaches both Ray actors (runtime_env) which report kind avx2, and one RL step runs with K/V scales calibrated
+    and pushed at refit (the FP8 KV recipe on an AVX2 CPU runs instead of killing the rollout actor)."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.grpo import grpo
+    from fp8core.cpu import cpu_caps
+
+    if cpu_caps().hardware_kind == "other":
+        pytest.skip("this CPU has no AVX2: the AVX2 cap does not apply")
+    monkeypatch.setenv("FP8GRPO_CPU_CAP", "avx2")
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    s = grpo(str(ROOT / "configs" / "tiny_fp8_e2e_kv.yaml"),
+             [f"run_dir={tmp_path / 'run'}", f"logger.mlflow.tracking_uri={db}", "checkpointing.enabled=false",
+              "grpo.max_num_steps=1", "grpo.val_at_start=false", "grpo.max_val_samples=4",
+              "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
+              "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
+              f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'assets'}", "bootstrap.sft_steps=40"])
+    out = capsys.readouterr().out
+    assert "rollout FP8 KV cache: fp8-emulated" in out and "cap avx2 from FP8GRPO_CPU_CAP" in out
+    assert s["steps_run"] == 1 and s["cpu_kind"] == "avx2" and s["cpu_rollout_kind"] == "avx2"
+    assert s["kv_mode"] == "fp8-emulated"
+    run = MlflowClient(tracking_uri=db).get_run(s["mlflow_run_id"])
+    assert run.data.params["cpu/kind"] == "avx2" and run.data.params["cpu/cap"] == "avx2"
+    assert run.data.tags["rollout/kv_mode"] == "fp8-emulated"
+    assert run.data.tags["cpu/rollout_kind"] == run.data.tags["cpu/policy_kind"] == "avx2"
+    assert run.data.metrics["kv/k_scale_mean"] not in (0.0, 1.0)  # calibrated scales, not the unit default
+    assert 1.0 <= run.data.metrics["mismatch/token_mult_prob_error"] < 2.0
