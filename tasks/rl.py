@@ -38,9 +38,10 @@ def refit(ctx: dict) -> dict:
     """Policy weights (+ KV scales) -> rollout engine, actor to actor through the object store."""
     t0 = time.perf_counter()
     policy, rollout = actor(ctx["policy"]), actor(ctx["rollout"])
-    weights = policy.weights.remote()
+    version = ray.get(policy.info.remote())["step"]  # the policy step of the weights (KV scales are checked against it)
+    weights = policy.refit_weights.remote()  # FP8 codes + scales for end-to-end FP8, else FP32 masters
     scales = policy.get_kv_scales.remote() if ctx["kv_fp8"] else None
-    engine_s = ray.get(rollout.refit.remote(weights, scales) if scales is not None else rollout.refit.remote(weights))
+    engine_s = ray.get(rollout.refit.remote(weights, scales, weights_version=version))
     return {"time/refit_s": time.perf_counter() - t0, "time/refit_engine_s": engine_s}
 
 

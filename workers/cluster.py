@@ -93,13 +93,15 @@ def rollout_config(cfg: Config):
     vc = cfg.policy.generation.vllm_cfg
     spec = cfg.rollout_fp8_spec()  # end-to-end FP8: the trainer's numerics (configs/schema.py)
     fp8 = {} if spec is None else dict(
+        fp8_recipe=spec.recipe,
         num_first_layers_in_bf16=spec.num_first_layers_in_bf16, num_last_layers_in_bf16=spec.num_last_layers_in_bf16,
         pow2_weight_scaling_factors=spec.pow2_weight, pow2_activation_scaling_factors=spec.pow2_activation)
     return RolloutConfig(
         precision="fp8" if vc.precision == "fp8" else "bf16", kv_cache_dtype=vc.kv_cache_dtype,
         kv_cache_impl=vc.kv_cache_impl, **fp8,
         kv_cache_memory_bytes=vc.kv_cache_memory_bytes, max_model_len=vc.max_model_len, seed=cfg.grpo.seed,
-        gpu_memory_utilization=vc.gpu_memory_utilization, enforce_eager=vc.enforce_eager)
+        gpu_memory_utilization=vc.gpu_memory_utilization, enforce_eager=vc.enforce_eager,
+        kv_scales_max_lag=max(0, cfg.calibration.kv_scales_period - 1))
 
 
 def check_rollout_kv(cfg: Config, model_dir: Path) -> tuple[str, str]:

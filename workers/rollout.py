@@ -55,12 +55,15 @@ import json
 import math
 import os
 import random
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
 
 PRECISIONS = ("bf16", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -72,13 +75,15 @@ KV_IMPL_KEY = "policy.generation.vllm_cfg.kv_cache_impl"
 # Dense decoder-only architectures whose linears / attention layout the FP8 method and the KV-scale setter handle.
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
 CPU_KV_BLOCK_SIZE = 128  # vLLM CPU allocates the KV cache in blocks of 128 tokens
+_PROJ_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.\w+_proj\.weight$")
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
     """Rollout engine settings; the first six keys are ``policy.generation.vllm_cfg.*`` of the recipe we follow."""
 
-    precision: str = "bf16"  # bf16 | fp8 (blockwise FP8 linears)
+    precision: str = "bf16"  # bf16 | fp8 (FP8 linears in fp8_recipe, fp8core numerics)
+    fp8_recipe: str = "blockwise"  # blockwise | rowwise | tensorwise (the trainer's, for end-to-end FP8)
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | fp8 (e4m3 with per-layer K/V scales)
     kv_cache_impl: str = "auto"  # auto | native | emulated (module docstring; only with kv_cache_dtype="fp8")
     num_first_layers_in_bf16: int = 0
@@ -93,12 +98,21 @@ class RolloutConfig:
     max_num_seqs: int = 256
     # Tokens per engine step. Chunked prefill is off (see _engine_kwargs), so this must be >= max_model_len.
     max_num_batched_tokens: int = 8192
+    # KV scales carry the policy step they were computed from; a refit refuses scales more than this many steps
+    # older than the weights it loads (calibration.kv_scales_period - 1: recalibrated every period steps).
+    kv_scales_max_lag: int = 0
 
     def __post_init__(self):
         for key, allowed in (("precision", PRECISIONS), ("kv_cache_dtype", KV_CACHE_DTYPES),
                              ("kv_cache_impl", KV_CACHE_IMPLS)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"rollout.{key}={getattr(self, key)!r} is not one of {allowed}")
+        from fp8core.linear import RECIPES
+
+        if self.fp8_recipe not in RECIPES:
+            raise ValueError(f"rollout.fp8_recipe={self.fp8_recipe!r} is not one of {RECIPES}")
+        if not isinstance(self.kv_scales_max_lag, int) or self.kv_scales_max_lag < 0:
+            raise ValueError(f"rollout.kv_scales_max_lag must be an int >= 0, got {self.kv_scales_max_lag!r}")
         if self.kv_cache_impl != "auto" and self.kv_cache_dtype != "fp8":
             raise ValueError(f"rollout.kv_cache_impl={self.kv_cache_impl!r} only applies with kv_cache_dtype='fp8'")
         for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
@@ -265,6 +279,17 @@ class RolloutWorker:
                              f"{config.num_first_layers_in_bf16 + config.num_last_layers_in_bf16} exceeds the "
                              f"model's num_hidden_layers={self.num_layers}")
         self.param_shapes = _checkpoint_shapes(self.model_dir)
+        # A refit ships either every weight in high precision (FP32 masters; FP8 layers quantize in the engine) or
+        # the trainer's served FP8 state (fp8core.serve): FP8 codes + weight_scale_inv for the FP8 linears' weights.
+        self.master_names = {n for n in self.param_shapes if not n.endswith(SCALE_SUFFIX)}
+        self.fp8_weight_names = set()
+        if config.precision == "fp8":
+            from fp8core.convert import fp8_layer_indices
+
+            layers = set(fp8_layer_indices(self.num_layers, config.num_first_layers_in_bf16,
+                                           config.num_last_layers_in_bf16))
+            self.fp8_weight_names = {n for n in self.master_names if (m := _PROJ_WEIGHT.match(n))
+                                     and int(m.group(1)) in layers}
         from fp8core.cpu import apply_cpu_cap, cpu_caps
 
         apply_cpu_cap()  # before vLLM is imported in this process (FP8GRPO_CPU_CAP; no-op without it)
@@ -329,7 +354,7 @@ class RolloutWorker:
 
             kwargs["quantization"] = QUANT_NAME
             kwargs["hf_overrides"] = {"quantization_config": quantization_config_dict(
-                num_hidden_layers=self.num_layers,
+                num_hidden_layers=self.num_layers, fp8_recipe=c.fp8_recipe,
                 num_first_layers_in_bf16=c.num_first_layers_in_bf16,
                 num_last_layers_in_bf16=c.num_last_layers_in_bf16,
                 pow2_weight_scaling_factors=c.pow2_weight_scaling_factors,
@@ -420,14 +445,20 @@ class RolloutWorker:
         return results
 
     # ------------------------------------------------------------------ refit
-    def _check_weights(self, weights) -> list[tuple[str, torch.Tensor]]:
+    def _check_weights(self, weights) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """Validate a refit; returns the (name, tensor) items and whether it is an FP8 (served-state) refit."""
         if not isinstance(weights, Mapping) or not weights:
             raise ValueError("weights must be a non-empty dict {HF parameter name: tensor}")
-        unknown = sorted(set(weights) - set(self.param_shapes))
+        fp8 = any(n.endswith(SCALE_SUFFIX) for n in weights)
+        if fp8 and not self.fp8_weight_names:
+            raise ValueError("refit weights carry FP8 scales (weight_scale_inv) but this engine has no FP8 layers "
+                             f"(precision={self.config.precision!r}); send high-precision weights")
+        expected = self.master_names | ({n + SCALE_SUFFIX for n in self.fp8_weight_names} if fp8 else set())
+        unknown = sorted(set(weights) - expected)
         if unknown:
             raise ValueError(f"refit weights has names the model does not have: {unknown[:5]}"
                              f"{' ...' if len(unknown) > 5 else ''}")
-        missing = sorted(set(self.param_shapes) - set(weights))
+        missing = sorted(expected - set(weights))
         if missing:
             raise ValueError(f"refit weights lacks {len(missing)} parameters (a refit must be complete): "
                              f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -435,23 +466,56 @@ class RolloutWorker:
         for name, t in weights.items():
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"refit weights[{name!r}] is a {type(t).__name__}, not a tensor")
+            t = t.detach()
+            if name.endswith(SCALE_SUFFIX):
+                continue  # checked with its weight below
             if tuple(t.shape) != self.param_shapes[name]:
                 raise ValueError(f"refit weights[{name!r}] has shape {tuple(t.shape)}, "
                                  f"the model expects {self.param_shapes[name]}")
+            if fp8 and name in self.fp8_weight_names:
+                self._check_fp8_weight(name, t, weights[name + SCALE_SUFFIX])
+                items += [(name, t), (name + SCALE_SUFFIX, weights[name + SCALE_SUFFIX].detach())]
+                continue
             if not t.is_floating_point() or t.dtype.itemsize < 2:
-                raise ValueError(f"refit weights[{name!r}] has dtype {t.dtype}; pass BF16/FP16/FP32 master weights")
-            t = t.detach()
+                raise ValueError(f"refit weights[{name!r}] has dtype {t.dtype}; pass BF16/FP16/FP32 master weights"
+                                 + (" (FP8 codes only for the FP8 layers' weights)" if fp8 else ""))
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(f"refit weights[{name!r}] has non-finite values")
             items.append((name, t))
-        return items
+        return items, fp8
 
-    def refit(self, weights: Mapping[str, torch.Tensor], kv_scales: Mapping | None = None) -> float:
-        """Load new weights (HF names, BF16/FP32) into the running engine, re-apply KV scales (the new ones, else the
-        last ones), reset the prefix cache. Returns the wall time in seconds. FP8 layers re-quantize from these
-        weights (workers/vllm_fp8.py), so the engine's FP8 weights equal ``fp8core.quantize(w, "block128")``."""
-        items = self._check_weights(weights)
+    def _check_fp8_weight(self, name: str, data: torch.Tensor, scale) -> None:
+        from fp8core.linear import weight_granularity
+        from fp8core.quant import QuantizedTensor
+
+        if data.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"refit weights[{name!r}] has dtype {data.dtype}; an FP8 refit sends float8_e4m3fn "
+                             "codes for the FP8 layers")
+        if not isinstance(scale, torch.Tensor):
+            raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] is a {type(scale).__name__}, not a tensor")
+        try:
+            QuantizedTensor(data, scale, weight_granularity(self.config.fp8_recipe), "e4m3")
+        except ValueError as e:
+            raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] ({self.config.fp8_recipe}): {e}") from None
+        if bool(data.view(torch.uint8).bitwise_and(0x7F).eq(0x7F).any()):
+            raise ValueError(f"refit weights[{name!r}] has NaN codes")
+        if not (bool(torch.isfinite(scale).all()) and bool((scale > 0).all())):
+            raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] must be finite and > 0")
+
+    def refit(self, weights: Mapping[str, torch.Tensor], kv_scales: Mapping | None = None, *,
+              weights_version: int | None = None) -> float:
+        """Load new weights into the running engine, re-apply KV scales (the new ones, else the last ones), reset
+        the prefix cache. Returns the wall time in seconds.
+
+        ``weights``: every HF parameter in high precision (FP32 masters: FP8 layers quantize them in the engine,
+        equal to the trainer's ``FP8Linear.quantized_weight()``), or the trainer's served FP8 state
+        (``fp8core.serve.served_state_dict``: FP8 codes + ``weight_scale_inv`` for the FP8 layers, loaded as they
+        are -- half the bytes, nothing re-quantized). ``weights_version``: the policy step of these weights; KV
+        scales with a ``version`` more than ``kv_scales_max_lag`` steps older (or newer) are refused, also when
+        the scales are the ones kept from an earlier refit."""
+        items, _ = self._check_weights(weights)
         scales = self._check_kv_scales(kv_scales) if kv_scales is not None else self._kv_scales
+        self._check_kv_version(scales, weights_version)
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
         if scales is not None:
@@ -466,10 +530,16 @@ class RolloutWorker:
         1-D tensors), one entry per decoder layer, each finite and > 0."""
         if not isinstance(kv_scales, Mapping):
             raise ValueError(f"kv_scales must be a dict with 'k_scale' and 'v_scale', got {type(kv_scales).__name__}")
-        unknown = set(kv_scales) - {"k_scale", "v_scale", "q_scale"}
+        unknown = set(kv_scales) - {"k_scale", "v_scale", "q_scale", "version"}
         if unknown:
-            raise ValueError(f"kv_scales has unknown keys {sorted(unknown)} (allowed: k_scale, v_scale, q_scale)")
+            raise ValueError(f"kv_scales has unknown keys {sorted(unknown)} (allowed: k_scale, v_scale, q_scale, "
+                             "version)")
         out = {}
+        if kv_scales.get("version") is not None:
+            v = kv_scales["version"]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"kv_scales['version'] must be the policy step (an int >= 0), got {v!r}")
+            out["version"] = v
         for key in ("k_scale", "v_scale", "q_scale"):
             if key not in kv_scales:
                 if key == "q_scale":
@@ -492,9 +562,20 @@ class RolloutWorker:
         self._apply_kv_scales(scales)
         self.llm.reset_prefix_cache()
 
-    def _apply_kv_scales(self, scales: dict[str, list[float]]) -> None:
+    def _check_kv_version(self, scales: Mapping | None, weights_version: int | None) -> None:
+        if scales is None or weights_version is None or scales.get("version") is None:
+            return
+        lag = weights_version - scales["version"]
+        if not 0 <= lag <= self.config.kv_scales_max_lag:
+            raise ValueError(
+                f"stale KV scales: computed from the policy of step {scales['version']}, the weights being loaded "
+                f"are step {weights_version}; calibration.kv_scales_period allows a lag of at most "
+                f"{self.config.kv_scales_max_lag} step(s). Recalibrate (calibrate_kv_scales) before this refit")
+
+    def _apply_kv_scales(self, scales: dict) -> None:
         names = self._attn_names
-        self.llm.apply_model(lambda model: _set_attention_scales(model, names, scales))
+        per_layer = {k: v for k, v in scales.items() if k != "version"}
+        self.llm.apply_model(lambda model: _set_attention_scales(model, names, per_layer))
         self._kv_scales = scales
 
     def get_kv_scales(self) -> dict[str, list[float]]:
