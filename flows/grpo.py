@@ -79,6 +79,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     from fp8core.cpu import cpu_caps, describe
     from tasks import rl
     from tasks.checkpoint import load_checkpoint, save_checkpoint
+    from tasks.context import RunContext
     from tasks.tracking import client, finish_run, log_metrics, log_text, set_tags, start_run, tracking_uri
     from workers.checkpoint import CheckpointStore
     from workers.cluster import apply_env, check_rollout_kv, init_ray, start_workers, stop_workers
@@ -147,24 +148,19 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         set_tags(uri, run_id, {"cpu/kind": caps.kind, "cpu/rollout_kind": r_stats["cpu"]["kind"],
                                "cpu/policy_kind": p_cpu["kind"], "cpu/cap": caps.cap or "none",
                                "rollout/kv_mode": r_stats["kv_mode"]})
-        gen = cfg.policy.generation
-        ctx = {"policy": workers.policy_name, "rollout": workers.rollout_name, "run_id": run_id,
-               "tracking_uri": uri, "model_dir": str(model_dir), "seed": cfg.grpo.seed, "recipe": cfg.recipe,
-               "gen": {"n": cfg.grpo.num_generations_per_prompt, "max_tokens": gen.max_new_tokens,
-                       "temperature": gen.temperature, "top_p": gen.top_p},
-               "kv_fp8": gen.vllm_cfg.kv_fp8, "kv_period": max(1, cfg.calibration.kv_scales_period),
-               "kv_samples": cfg.calibration.kv_calibration_samples, "val_batch_size": cfg.grpo.val_batch_size,
-               "checkpoint": {"uri": ck_uri, "keep_last_k": ck_cfg.keep_last_k,
-                              "endpoint_url": ck_cfg.s3_endpoint_url}}
+        ctx = RunContext.from_config(cfg, policy=workers.policy_name, rollout=workers.rollout_name, run_id=run_id,
+                                     tracking_uri=uri, model_dir=str(model_dir), checkpoint_uri=ck_uri)
+        kv_scales = None  # FP8 KV cache: calibrated on the policy, handed to every refit (they carry their step)
         if resume_state is not None:
-            load_checkpoint(ctx, start_step)
-        elif gen.vllm_cfg.kv_fp8:  # initial KV scales from the starting policy on a first batch of rollouts
+            kv_scales = load_checkpoint(ctx, start_step).get("kv_scales")
+        elif ctx.kv_fp8:  # initial KV scales from the starting policy on a first batch of rollouts
             rl.refit(ctx)
             ref, _ = rl.rollout(ctx, data.train_rows(0, cfg.grpo.num_prompts_per_step), 0)
-            rl.calibrate(ctx, ref, 0)
+            kv_scales, _ = rl.calibrate(ctx, ref, 0)
 
         def run_validation(step: int) -> None:
-            out = rl.validate(ctx, val_rows, step, num_samples_to_keep=cfg.logger.num_val_samples_to_print)
+            out = rl.validate(ctx, val_rows, step, kv_scales=kv_scales,
+                              num_samples_to_keep=cfg.logger.num_val_samples_to_print)
             val_acc[step] = out["metrics"]["val/accuracy"]
             log_text(uri, run_id, json.dumps(out["samples"], indent=1), f"samples/val_step_{step:06d}.json")
             if step == start_step:
@@ -176,7 +172,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         skipped_before = 0.0
         for step in range(start_step + 1, cfg.grpo.max_num_steps + 1):
             rows = data.train_rows(step - 1, cfg.grpo.num_prompts_per_step)
-            m = rl_step(ctx, rows, step)
+            m, kv_scales = rl_step(ctx, rows, step, kv_scales)
             history.append(m)
             last = step == cfg.grpo.max_num_steps
             if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or last:

@@ -1,6 +1,6 @@
 """Subflow ``rl_step``: refit (weights + KV scales) -> rollout -> reward -> train -> calibrate, each a Prefect task.
 
-Returns the step's metrics: everything the tasks reported plus ``time/step_s``, each task's share of the step
+Returns the step's metrics (and the KV scales for the next refit): everything the tasks reported plus ``time/step_s``, each task's share of the step
 (``time/share_<task>``), the calibration share (KV scales + Calibrated Clipping) and ``throughput/samples_per_s``."""
 
 from __future__ import annotations
@@ -10,28 +10,32 @@ import time
 from prefect import flow
 
 from tasks import rl
+from tasks.context import RunContext
 from tasks.tracking import log_metrics
 
 PHASES = ("refit", "rollout", "reward", "train", "calibrate")
 
 
 @flow(name="rl_step", log_prints=False, validate_parameters=False)
-def rl_step(ctx: dict, rows: list[dict], step: int) -> dict:
+def rl_step(ctx: RunContext, rows: list[dict], step: int, kv_scales: dict | None = None) -> tuple[dict, dict | None]:
+    """One RL step; ``kv_scales``: the FP8 KV scales to load with this step's refit (from the last calibration).
+    Returns (metrics, the KV scales for the next refit: this step's calibration, else the ones it was given)."""
     t0 = time.perf_counter()
     m: dict[str, float] = {}
-    m.update(rl.refit(ctx))
+    m.update(rl.refit(ctx, kv_scales))
     ref, rm = rl.rollout(ctx, rows, step)
     m.update(rm)
     rewards, wm = rl.reward(ref, rows)
     m.update(wm)
     tm = rl.train(ctx, ref, rewards, step)  # logs its own metrics
     m.update(tm)
-    m.update(rl.calibrate(ctx, ref, step))
+    new_scales, cm = rl.calibrate(ctx, ref, step)
+    m.update(cm)
     step_s = time.perf_counter() - t0
     m["time/step_s"] = step_s
     for phase in PHASES:
         m[f"time/share_{phase}"] = m.get(f"time/{phase}_s", 0.0) / step_s
     m["time/share_calibration"] = (m.get("time/calibrate_s", 0.0) + m.get("time/clip_calibration_s", 0.0)) / step_s
     m["throughput/samples_per_s"] = len(rewards) / step_s
-    log_metrics(ctx["tracking_uri"], ctx["run_id"], {k: v for k, v in m.items() if k not in tm}, step)
-    return m
+    log_metrics(ctx.tracking_uri, ctx.run_id, {k: v for k, v in m.items() if k not in tm}, step)
+    return m, (new_scales if new_scales is not None else kv_scales)

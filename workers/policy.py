@@ -396,9 +396,6 @@ class PolicyWorker:
         self.kv_scales = {**{k: [float(x) for x in v] for k, v in scales.items()}, "version": self.step}
         return self.kv_scales
 
-    def get_kv_scales(self) -> dict[str, list[float]] | None:
-        return self.kv_scales
-
     # ---------------------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, uri: str, step: int, *, extra: Mapping | None = None, keep_last_k: int | None = None,
                         endpoint_url: str | None = None) -> str:

@@ -1,0 +1,55 @@
+"""The run context that flows hand to tasks: frozen, typed, small (names and numbers only -- weights, rollouts and
+KV scales travel through Ray). Built once per run from the recipe by :meth:`RunContext.from_config`."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """Rollout sampling: ``n`` samples per prompt (grpo.num_generations_per_prompt), policy.generation.*."""
+
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    uri: str | None  # None: checkpointing off
+    keep_last_k: int | None
+    endpoint_url: str | None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    policy: str  # Ray actor names (tasks look actors up by name; handles never cross Prefect)
+    rollout: str
+    run_id: str | None  # MLflow
+    tracking_uri: str | None
+    model_dir: str
+    seed: int
+    recipe: str
+    gen: GenParams
+    kv_fp8: bool  # FP8 KV cache: calibrate scales every kv_period steps, hand them to the next refit
+    kv_period: int
+    kv_samples: int
+    val_batch_size: int
+    checkpoint: CheckpointTarget
+    rollout_fp8_spec: dict | None  # fp8core.spec.FP8Spec fields of the engine (saved with checkpoints for export)
+
+    @classmethod
+    def from_config(cls, cfg, *, policy: str, rollout: str, run_id: str | None, tracking_uri: str | None,
+                    model_dir: str, checkpoint_uri: str | None) -> RunContext:
+        gen, cal, ck = cfg.policy.generation, cfg.calibration, cfg.checkpointing
+        spec = cfg.rollout_fp8_spec()
+        return cls(policy=policy, rollout=rollout, run_id=run_id, tracking_uri=tracking_uri, model_dir=str(model_dir),
+                   seed=cfg.grpo.seed, recipe=cfg.recipe,
+                   gen=GenParams(n=cfg.grpo.num_generations_per_prompt, max_tokens=gen.max_new_tokens,
+                                 temperature=gen.temperature, top_p=gen.top_p),
+                   kv_fp8=gen.vllm_cfg.kv_fp8, kv_period=max(1, cal.kv_scales_period),
+                   kv_samples=cal.kv_calibration_samples, val_batch_size=cfg.grpo.val_batch_size,
+                   checkpoint=CheckpointTarget(uri=checkpoint_uri, keep_last_k=ck.keep_last_k,
+                                               endpoint_url=ck.s3_endpoint_url),
+                   rollout_fp8_spec=None if spec is None else asdict(spec))
