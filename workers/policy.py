@@ -220,7 +220,9 @@ class PolicyWorker:
         if trainer is not None and rollout is not None and trainer.forward_key() == rollout.forward_key():
             from fp8core.serve import served_state_dict
 
-            return served_state_dict(self.model, hp_dtype=torch.bfloat16)
+            # FP8 codes travel as their bytes (uint8): pickling float8 tensors fails in torch 2.13, and Ray pickles
+            return {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v
+                    for k, v in served_state_dict(self.model, hp_dtype=torch.bfloat16).items()}
         return self.weights()
 
     # ---------------------------------------------------------------------------------------------------- logprobs

@@ -473,6 +473,8 @@ class RolloutWorker:
                 raise ValueError(f"refit weights[{name!r}] has shape {tuple(t.shape)}, "
                                  f"the model expects {self.param_shapes[name]}")
             if fp8 and name in self.fp8_weight_names:
+                if t.dtype == torch.uint8:  # FP8 codes sent as bytes (float8 tensors do not pickle in torch 2.13)
+                    t = t.view(torch.float8_e4m3fn)
                 self._check_fp8_weight(name, t, weights[name + SCALE_SUFFIX])
                 items += [(name, t), (name + SCALE_SUFFIX, weights[name + SCALE_SUFFIX].detach())]
                 continue
@@ -490,7 +492,7 @@ class RolloutWorker:
 
         if data.dtype != torch.float8_e4m3fn:
             raise ValueError(f"refit weights[{name!r}] has dtype {data.dtype}; an FP8 refit sends float8_e4m3fn "
-                             "codes for the FP8 layers")
+                             "codes (or their uint8 bytes) for the FP8 layers")
         if not isinstance(scale, torch.Tensor):
             raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] is a {type(scale).__name__}, not a tensor")
         try:

@@ -140,7 +140,10 @@ def test_fp8_refit_per_recipe_bit_identical_weights_and_outputs(model_dir, tmp_p
     try:
         payload = policy.refit_weights()
         fp8_names = [n for n in payload if n.endswith("_scale_inv")]
-        assert fp8_names and all(payload[n[:-len("_scale_inv")]].dtype == torch.float8_e4m3fn for n in fp8_names)
+        assert fp8_names and all(payload[n[:-len("_scale_inv")]].dtype == torch.uint8 for n in fp8_names)  # bytes
+        import pickle
+
+        payload = pickle.loads(pickle.dumps(payload))  # crosses Ray's object store pickled
         engine.refit(payload, weights_version=1)
         _assert_engine_holds_trainer_fp8(policy, engine, first, last)
         y_engine, y_trainer = _engine_vs_trainer_outputs(policy, engine, first)
@@ -165,6 +168,7 @@ def test_refit_refuses_bad_fp8_payloads_and_stale_kv_scales(model_dir, tmp_path)
         name = "model.layers.2.mlp.up_proj.weight"
         for bad, match in [({name + "_scale_inv": payload[name + "_scale_inv"][:1]}, "weight_scale_inv"),
                            ({name: payload[name].to(torch.bfloat16)}, "float8_e4m3fn"),
+                           ({name: payload[name].view(torch.float8_e4m3fn)[:1]}, "shape"),
                            ({"model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(1)}, "does not have")]:
             with pytest.raises(ValueError, match=match):
                 engine.refit({**payload, **bad})
