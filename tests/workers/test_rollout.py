@@ -319,7 +319,7 @@ def test_seeded_batch_larger_than_one_step(worker):
         RolloutConfig(max_num_batched_tokens=100, max_model_len=256)
 
 
-_AVX2_CAPPED = r"""
+_CAPPED = r"""  # run with FP8GRPO_CPU_CAP set; argv: model_dir run_dir
 import json, sys
 from pathlib import Path
 
@@ -341,11 +341,13 @@ try:
 except NotImplementedError as e:
     out["vllm_fp8_kv"] = str(e)
 base = dict(precision="fp8", kv_cache_dtype="fp8", kv_cache_memory_bytes=8 << 20, max_model_len=128)
-try:
-    RolloutWorker(model_dir, RolloutConfig(**base, kv_cache_impl="native"), run_dir=run_dir)
-    out["native"] = "started"
-except ValueError as e:
-    out["native"] = str(e)
+out["native"] = None
+if not cpu_caps().native_fp8_kv:  # must be refused before any engine starts
+    try:
+        RolloutWorker(model_dir, RolloutConfig(**base, kv_cache_impl="native"), run_dir=run_dir)
+        out["native"] = "started"
+    except ValueError as e:
+        out["native"] = str(e)
 w = RolloutWorker(model_dir, RolloutConfig(**base), run_dir=run_dir)
 st = w.stats()
 out.update(kv_mode=st["kv_mode"], capacity=st["kv_capacity_tokens"], realised=st["kv_fp8_capacity_realised"],
@@ -378,25 +380,30 @@ print(json.dumps(out))
 """
 
 
+def _run_capped(cap: str, model_dir, run_dir) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    env["FP8GRPO_CPU_CAP"] = cap
+    proc = subprocess.run([sys.executable, "-c", _CAPPED, str(model_dir), str(run_dir)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print({k: r[k] for k in ("hw", "kind", "torch", "kernel_libs", "kv_mode", "capacity", "dlogp_tiny")})
+    return r
+
+
 @pytest.mark.slow
 def test_fp8_kv_recipe_under_the_avx2_cap(model_dir, tmp_path):
     """FP8GRPO_CPU_CAP=avx2 in a fresh process: vLLM loads its AVX2 kernels and refuses an FP8 KV cache inside
     (as on an AVX2-only CPU); the worker refuses kv_cache_impl=native before any engine starts, and the FP8 KV
     recipe (auto) runs emulated: BF16 capacity, K/V rounded with the per-layer scales (a 1e-3 scale changes the
     logprobs, the hook survives a refit, unit scales give the same samples back)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
-    env["FP8GRPO_CPU_CAP"] = "avx2"
-    proc = subprocess.run([sys.executable, "-c", _AVX2_CAPPED, str(model_dir), str(tmp_path / "run")], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    print({k: r[k] for k in ("hw", "kind", "torch", "kernel_libs", "kv_mode", "capacity", "dlogp_tiny")})
-    if r["hw"] == "other":
+    if cpu_caps().hardware_kind == "other":
         pytest.skip("this CPU has no AVX2: the AVX2 cap does not apply")
+    r = _run_capped("avx2", model_dir, tmp_path / "run")
     assert r["kind"] == "avx2" and r["cpu"]["kind"] == "avx2" and r["cpu"]["cap"] == "avx2"
     assert (r["avx512"], r["amx"], r["torch"]) == (False, False, "AVX2")
     assert r["vllm_fp8_kv"] == "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
@@ -407,3 +414,20 @@ def test_fp8_kv_recipe_under_the_avx2_cap(model_dir, tmp_path):
     assert r["dlogp_tiny"] > 0.02, r["dlogp_tiny"]  # measured ~0.16 (mean |dlogp| per token)
     assert r["tiny_after_refit_same"] and r["unit_again_same"]
     assert r["scales_after_refit"] == [1.0] * 4
+
+
+@pytest.mark.slow
+def test_fp8_kv_recipe_under_the_avx512_cap(model_dir, tmp_path):
+    """FP8GRPO_CPU_CAP=avx512 (AVX-512 without BF16): vLLM loads its AVX-512 kernels, keeps a native FP8 KV cache
+    (half the bytes per token) and applies the scales."""
+    if cpu_caps().hardware_kind in ("other", "avx2"):
+        pytest.skip(f"this CPU is {cpu_caps().kind}: the AVX-512 paths are tested where the hardware has AVX-512")
+    r = _run_capped("avx512", model_dir, tmp_path / "run")
+    assert r["kind"] == "avx512" and r["cpu"]["cap"] == "avx512" and "avx512_bf16" not in r["cpu"]["flags"]
+    assert (r["avx512"], r["amx"], r["torch"]) == (True, False, "AVX512")
+    assert r["vllm_fp8_kv"] == "accepted" and r["native"] is None
+    assert r["kernel_libs"] == ["_C_AVX512.abi3.so"]
+    assert r["kv_mode"] == "fp8-native" and r["realised"] is True
+    assert r["capacity"] == (8 << 20) // (4 * 2 * 2 * 64) == 8192  # FP8: half the bytes per token
+    assert r["dlogp_tiny"] > 0.02, r["dlogp_tiny"]
+    assert r["tiny_after_refit_same"] and r["unit_again_same"]
