@@ -44,8 +44,8 @@ def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 def load_trainer_model(model_dir: str | Path, *, fp8: bool, num_first_layers_in_bf16: int = 0,
                        num_last_layers_in_bf16: int = 0, pow2_weight: bool = False, pow2_activation: bool = False,
-                       dtype: torch.dtype = torch.bfloat16):
-    """The trainer-side HF model in ``dtype``; with ``fp8`` its decoder linears run fp8core's blockwise FP8."""
+                       dtype: torch.dtype = torch.bfloat16, recipe: str = "blockwise"):
+    """The trainer-side HF model in ``dtype``; with ``fp8`` its decoder linears run fp8core's FP8 in ``recipe``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
@@ -53,7 +53,7 @@ def load_trainer_model(model_dir: str | Path, *, fp8: bool, num_first_layers_in_
         from fp8core.convert import convert_to_fp8
         from fp8core.linear import FP8LinearConfig
 
-        convert_to_fp8(model, FP8LinearConfig(recipe="blockwise", pow2_weight=pow2_weight,
+        convert_to_fp8(model, FP8LinearConfig(recipe=recipe, pow2_weight=pow2_weight,
                                               pow2_activation=pow2_activation),
                        num_first_layers_in_bf16=num_first_layers_in_bf16,
                        num_last_layers_in_bf16=num_last_layers_in_bf16)
@@ -173,7 +173,8 @@ def mismatch_table(model_dir: str | Path, *, run_dir: str | Path, prompts: list[
                     num_last_layers_in_bf16=base.num_last_layers_in_bf16)
     trainer_bf16 = load_trainer_model(model_dir, fp8=False)
     trainer_fp8 = load_trainer_model(model_dir, fp8=True, pow2_weight=base.pow2_weight_scaling_factors,
-                                     pow2_activation=base.pow2_activation_scaling_factors, **layer_kw)
+                                     pow2_activation=base.pow2_activation_scaling_factors, recipe=base.fp8_recipe,
+                                     **layer_kw)
     kw = dict(run_dir=run_dir, prompts=prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
     bf16_cfg = replace(base, precision="bf16", kv_cache_dtype="auto")
     fp8_cfg = replace(base, precision="fp8", kv_cache_dtype="auto")
@@ -244,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-first-layers-in-bf16", type=int, default=0)
     ap.add_argument("--num-last-layers-in-bf16", type=int, default=0)
     ap.add_argument("--pow2", action="store_true", help="pow2 weight and activation scaling factors")
+    ap.add_argument("--fp8-recipe", default="blockwise", choices=("blockwise", "rowwise", "tensorwise"),
+                    help="FP8 recipe of rows (b)-(d): engine and trainer run the same one")
     ap.add_argument("--json", help="also write the table as JSON here")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     rng = random.Random(1234)
     prompts = [chat_prompt(tok, make_problem(rng)["question"]) for _ in range(args.prompts)]
-    base = RolloutConfig(num_first_layers_in_bf16=args.num_first_layers_in_bf16,
+    base = RolloutConfig(fp8_recipe=args.fp8_recipe, num_first_layers_in_bf16=args.num_first_layers_in_bf16,
                          num_last_layers_in_bf16=args.num_last_layers_in_bf16,
                          pow2_weight_scaling_factors=args.pow2, pow2_activation_scaling_factors=args.pow2)
     t0 = time.perf_counter()
@@ -270,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
                            temperature=args.temperature, seed=args.seed, base=base)
     print(f"model: {model_dir}; {args.prompts} prompts x n={args.n}, "
           f"max_tokens={args.max_tokens}, temperature={args.temperature}, first/last BF16 layers "
-          f"{args.num_first_layers_in_bf16}/{args.num_last_layers_in_bf16}, pow2={args.pow2}")
+          f"{args.num_first_layers_in_bf16}/{args.num_last_layers_in_bf16}, pow2={args.pow2}, "
+          f"FP8 recipe {args.fp8_recipe}")
     print(format_table(table))
     print(f"(table computed in {time.perf_counter() - t0:.1f}s)")
     if args.json:
