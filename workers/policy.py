@@ -15,7 +15,10 @@ Numerics
   (column 0 is 0 and always masked). ``T`` is the sampling temperature: vLLM's processed logprobs are those of
   ``logits / T``, so trainer and rollout logprobs are comparable (``mismatch/*``) and the ratio is the sampled policy's.
 * Train step (one GRPO step on a batch of ``P`` prompts x ``G`` generations):
-  1. ``old_logp`` = trainer logprobs before any update (no grad) -> ``mismatch/*`` against the rollout logprobs.
+  1. ``old_logp`` = trainer logprobs before any update -> ``mismatch/*`` against the rollout logprobs. The rows of
+     the first optimizer update take them from that update's own training forwards (same weights, detached), so a
+     separate no-grad pass runs only over the later updates' rows (none with one update per step; the count is
+     ``train/old_logprob_pass_samples``). Every forward is cut to its micro-batch's longest sequence.
   2. Advantages ``A_i = (r_i - mean_g r) / (std_g r + eps)`` (``grpo.normalize_rewards``; else ``r_i - mean_g r``),
      or leave-one-out baseline ``r_i - mean_{j != i} r_j`` (``grpo.use_leave_one_out_baseline``).
   3. Optional IS correction weights ``w = f(pi_old / pi_rollout)`` (TIS / ICE-POP / seq-mask-TIS).
@@ -132,6 +135,26 @@ class Batch:
     def slice(self, idx) -> Batch:
         return Batch(self.tokens[idx], self.attn[idx], self.mask[idx], self.rollout_logp[idx], self.group_size)
 
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def trimmed(self) -> Batch:
+        """The same rows cut to their longest sequence: the trailing columns are padding in every row (right
+        padding; causal attention), so logprobs at real positions are unchanged and no compute is spent on pad."""
+        w = int(self.attn.sum(1).max()) if len(self) else 0
+        if w >= self.width:
+            return self
+        return Batch(self.tokens[:, :w], self.attn[:, :w], self.mask[:, :w], self.rollout_logp[:, :w],
+                     self.group_size)
+
+
+def _pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad a [B, w] tensor with zeros to [B, width]."""
+    if t.shape[1] == width:
+        return t
+    return torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
+
 
 class PolicyWorker:
     """See the module docstring. ``model_dir``: HF model (safetensors + config + tokenizer)."""
@@ -187,6 +210,12 @@ class PolicyWorker:
                 ref_eps_low=lf.ratio_clip_min,
                 ref_eps_high=lf.ratio_clip_max))
         self.kv_scales: dict[str, list[float]] | None = None
+        # old logprobs of the first update's rows come from its training forwards (train_step) unless the model
+        # has dropout, where a training forward is not the policy's deterministic forward
+        self.reuse_first_forward = not any(
+            isinstance(mod, torch.nn.Dropout) and mod.p > 0 for mod in self.model.modules()) and not any(
+            float(getattr(self.model.config, k, 0.0) or 0.0) > 0 for k in
+            ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"))
         self.skipped_updates = 0
         self.step = 0  # RL steps completed
 
@@ -243,18 +272,27 @@ class PolicyWorker:
         return logp, ent
 
     @torch.no_grad()
-    def logprobs(self, b: Batch, *, want_entropy: bool = False):
+    def logprobs(self, b: Batch, *, want_entropy: bool = False, rows: torch.Tensor | None = None):
+        """No-grad logprobs (and entropies) ``[B, L]`` of ``b`` (of ``b.slice(rows)`` when given). Rows are batched
+        longest-first and each batch is trimmed to its own longest sequence (less padding); results come back in
+        the input order, zero beyond each batch's width, as before."""
         was = self.model.training
         self.model.eval()
-        outs, ents = [], []
+        sub = b if rows is None else b.slice(rows)
+        lp_all = ent_all = None
+        order = torch.argsort(sub.attn.sum(1), descending=True, stable=True)
         bs = self.cfg.policy.logprob_batch_size
-        for i in range(0, len(b), bs):
-            lp, ent = self._token_logp(b.slice(slice(i, i + bs)), want_entropy=want_entropy)
-            outs.append(lp.cpu())
+        for i in range(0, len(sub), bs):
+            idx = order[i: i + bs]
+            lp, ent = self._token_logp(sub.slice(idx).trimmed(), want_entropy=want_entropy)
+            if lp_all is None:
+                lp_all = torch.zeros(len(sub), sub.width, dtype=lp.dtype)
+                ent_all = None if ent is None else torch.zeros(len(sub), sub.width, dtype=ent.dtype)
+            lp_all[idx] = _pad_cols(lp.cpu(), sub.width)
             if ent is not None:
-                ents.append(ent.cpu())
+                ent_all[idx] = _pad_cols(ent.cpu(), sub.width)
         self.model.train(was)
-        return torch.cat(outs), (torch.cat(ents) if ents else None)
+        return lp_all, ent_all
 
     def _shadow_logprobs(self, b: Batch) -> torch.Tensor:
         from fp8core.convert import high_precision
@@ -286,17 +324,29 @@ class PolicyWorker:
         if r.numel() != len(b):
             raise ValueError(f"train_step: {r.numel()} rewards for {len(b)} samples")
         m: dict[str, float] = {}
-        old_logp, ent = self.logprobs(b, want_entropy=True)
+        gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
+        perm = torch.randperm(len(b), generator=torch.Generator().manual_seed(cfg.grpo.seed * 100003 + step))
+        # Old logprobs = the policy before this step's first update. The first update's own training forwards run
+        # exactly those weights, so its rows take old_logp (and entropy) from them (detached) and only the rows of
+        # later updates need a separate no-grad pass -- none with one update per step. Not with dropout (the
+        # training forward would differ from the eval one).
+        first = perm[:gbs] if self.reuse_first_forward else perm[:0]
+        later = perm[len(first):]
+        old_logp = torch.zeros(len(b), b.width)
+        ent = torch.zeros(len(b), b.width, dtype=torch.float64)  # fp8core.rl.metrics.token_entropy's dtype
+        known = torch.zeros(len(b), dtype=torch.bool)
+        if len(later):
+            old_logp[later], ent[later] = self.logprobs(b, want_entropy=True, rows=later)
+            known[later] = True
         t_old = time.perf_counter() - t0
-        m.update(mismatch_metrics(old_logp, b.rollout_logp, b.mask))
-        m["policy/entropy"] = float((ent * b.mask).sum() / b.mask.sum().clamp_min(1))  # exact, sampled tokens
-        m.update(response_length_metrics(b.mask))
         adv = self.advantages(r, b.group_size)
         is_w = None
-        if lf.use_importance_sampling_correction:
-            is_w, is_m = importance_weights(old_logp, b.rollout_logp, b.mask, kind=lf.importance_sampling,
-                                            cap=lf.is_truncation, low=lf.is_mask_low, high=lf.is_mask_high)
-            m.update(is_m)
+        use_is = lf.use_importance_sampling_correction
+        is_kw = dict(kind=lf.importance_sampling, cap=lf.is_truncation, low=lf.is_mask_low, high=lf.is_mask_high)
+        if use_is:  # per-row weights (tested): the later rows now, the first update's rows in its loop
+            is_w = torch.zeros(len(b), b.width)
+            if len(later):
+                is_w[later] = importance_weights(old_logp[later], b.rollout_logp[later], b.mask[later], **is_kw)[0]
         calibrate = self.cc is not None and self.cc.should_calibrate(step)
         t_cal = 0.0
         if calibrate:
@@ -306,11 +356,9 @@ class PolicyWorker:
 
         clip_low, clip_high = self.bounds()
         agg = "token_mean" if lf.token_level_loss else "seq_mean_token_mean"
-        gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
-        perm = torch.randperm(len(b), generator=torch.Generator().manual_seed(cfg.grpo.seed * 100003 + step))
         self.model.train()
         sums: dict[str, float] = {}
-        n_mb, n_gb, grad_norms, updates = 0, 0, [], 0
+        n_mb, n_gb, grad_norms, updates, t_opt = 0, 0, [], 0, 0.0
         for g0 in range(0, len(b), gbs):
             gidx = perm[g0: g0 + gbs]
             gm = b.mask[gidx]
@@ -320,12 +368,21 @@ class PolicyWorker:
             finite = True
             for m0 in range(0, len(gidx), mbs):
                 idx = gidx[m0: m0 + mbs]
-                mb = b.slice(idx)
-                logp, _ = self._token_logp(mb)
+                mb = b.slice(idx).trimmed()
+                w = mb.width
+                fresh = g0 == 0 and len(first) > 0  # rows whose old logprobs this forward provides
+                logp, e = self._token_logp(mb, want_entropy=fresh)
+                if fresh:
+                    old_logp[idx] = _pad_cols(logp.detach().cpu(), b.width)
+                    ent[idx] = _pad_cols(e.cpu(), b.width)
+                    known[idx] = True
+                    if use_is:
+                        is_w[idx] = _pad_cols(importance_weights(old_logp[idx, :w], mb.rollout_logp, mb.mask,
+                                                                 **is_kw)[0], b.width)
                 loss, lm = clipped_pg_loss(
-                    logp, old_logp[idx].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
+                    logp, old_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
                     clip_low=clip_low, clip_high=clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg,
-                    is_weights=None if is_w is None else is_w[idx].to(logp.device), normalizer=normalizer)
+                    is_weights=None if is_w is None else is_w[idx, :w].to(logp.device), normalizer=normalizer)
                 if not torch.isfinite(loss):
                     finite = False
                     break
@@ -333,6 +390,15 @@ class PolicyWorker:
                 n_mb += 1
                 for k, v in lm.items():
                     sums[k] = sums.get(k, 0.0) + v
+            if g0 == 0 and not bool(known.all()):  # a non-finite loss stopped the first update early: its
+                missing = (~known).nonzero().squeeze(1)  # weights are untouched (no step), so finish the pass
+                old_logp[missing], ent[missing] = self.logprobs(b, want_entropy=True, rows=missing)
+                if use_is:
+                    is_w[missing] = importance_weights(old_logp[missing], b.rollout_logp[missing], b.mask[missing],
+                                                       **is_kw)[0]
+                known[missing] = True
+                self.model.train()
+            t_opt0 = time.perf_counter()
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.policy.max_grad_norm)
             if finite and torch.isfinite(gn):
                 self.optimizer.step()
@@ -341,8 +407,15 @@ class PolicyWorker:
             else:
                 self.skipped_updates += 1
             self.optimizer.zero_grad(set_to_none=True)
+            t_opt += time.perf_counter() - t_opt0
         lr_used = float(self.optimizer.param_groups[0]["lr"])  # the LR this step's updates used (before the advance)
         self.scheduler.step()
+        m.update(mismatch_metrics(old_logp, b.rollout_logp, b.mask))
+        m["policy/entropy"] = float((ent * b.mask).sum() / b.mask.sum().clamp_min(1))  # exact, sampled tokens
+        m.update(response_length_metrics(b.mask))
+        if use_is:
+            m.update(importance_weights(old_logp, b.rollout_logp, b.mask, **is_kw)[1])
+        m["train/old_logprob_pass_samples"] = float(len(later))
         for k, v in sums.items():  # micro-batch means; loss/total is normalized globally, so sum per global batch
             m[k] = v / max(1, n_gb) if k == "loss/total" else v / max(1, n_mb)
         m["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
@@ -368,6 +441,7 @@ class PolicyWorker:
         ntok = float(b.attn.sum())
         m["time/train_logprob_s"] = t_old
         m["time/clip_calibration_s"] = t_cal
+        m["time/train_optimizer_s"] = t_opt  # gradient clipping + AdamW steps
         m["time/policy_train_s"] = wall
         m["throughput/train_tokens_per_s"] = ntok / max(wall - t_cal, 1e-9)
         m["train/tokens"] = ntok

@@ -154,3 +154,71 @@ def test_train_lr_metric_is_the_lr_the_updates_used(model_dir):
     rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
     assert w.train_step(_rollouts(w), rewards, step=1)["train/lr"] == pytest.approx(5e-4)
     assert w.train_step(_rollouts(w), rewards, step=2)["train/lr"] == pytest.approx(1e-3)
+
+
+# ------------------------------------------------------------------ step speed-ups keep the numbers
+def test_trimmed_sorted_logprobs_equal_full_width_forward(model_dir):
+    """logprobs() batches rows longest-first and cuts each batch to its longest sequence: the values at real
+    positions equal a full-width, input-order forward (right padding + causal attention)."""
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", "policy.logprob_batch_size": 3}))
+    b = Batch.from_rollouts(_rollouts(w), pad_id=w.tokenizer.pad_token_id)
+    lp, ent = w.logprobs(b, want_entropy=True)
+    with torch.no_grad():
+        w.model.eval()
+        ref, ref_ent = w._token_logp(b, want_entropy=True)
+    valid = b.attn.bool()
+    assert torch.allclose(lp[valid], ref[valid], atol=1e-5) and torch.allclose(ent[b.mask.bool()],
+                                                                              ref_ent[b.mask.bool()], atol=1e-5)
+    rows = torch.tensor([5, 0, 3])
+    sub, _ = w.logprobs(b, rows=rows)
+    assert torch.equal(sub, w.logprobs(b.slice(rows))[0])
+    trimmed = b.slice(torch.tensor([1])).trimmed()
+    assert trimmed.width == int(b.attn[1].sum()) < b.width
+
+
+def test_importance_weights_are_per_row():
+    """train_step computes IS weights per micro-batch for the first update's rows: each row's weights must not
+    depend on the other rows of the batch (every kind)."""
+    from fp8core.rl import importance_weights
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(6, 9, generator=g)
+    roll = old + 0.3 * torch.randn(6, 9, generator=g)
+    mask = (torch.rand(6, 9, generator=g) > 0.2).float()
+    for kind in ("tis", "icepop", "seq_mask_tis"):
+        full = importance_weights(old, roll, mask, kind=kind)[0]
+        part = importance_weights(old[2:5], roll[2:5], mask[2:5], kind=kind)[0]
+        assert torch.equal(full[2:5], part), kind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gbs,separate", [(4, 4), (8, 0)])
+def test_old_logprobs_from_first_update_forward(model_dir, gbs, separate):
+    """Old logprobs of the first update's rows come from its training forwards: the mismatch and entropy metrics
+    equal those of a separate no-grad pass over all rows before the step, the no-grad pass covers only the later
+    updates' rows (none with one update per step), and the IS-corrected update equals the one computed from the
+    separate pass's old logprobs (weights after the step)."""
+    from fp8core.rl import mismatch_metrics
+
+    over = {"policy.precision": "float32", "policy.train_global_batch_size": gbs,
+            "loss_fn.use_importance_sampling_correction": "true"}
+    a, c = PolicyWorker(model_dir, _cfg(**over)), PolicyWorker(model_dir, _cfg(**over))
+    ro = _rollouts(a)
+    for s in ro[1]["samples"]:  # a rollout engine that disagrees a little: IS weights != 1
+        s["logprobs"] = [x - 0.05 for x in s["logprobs"]]
+    b = Batch.from_rollouts(ro, pad_id=a.tokenizer.pad_token_id)
+    old, ent = a.logprobs(b, want_entropy=True)
+    expected = mismatch_metrics(old, b.rollout_logp, b.mask)
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    m = c.train_step(ro, rewards, step=1)
+    assert m["train/old_logprob_pass_samples"] == separate
+    for k, v in expected.items():
+        assert m[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert m["policy/entropy"] == pytest.approx(float((ent * b.mask).sum() / b.mask.sum()), rel=1e-5)
+    c.reuse_first_forward = False  # the separate-pass path on an identical worker gives the same update
+    a2 = PolicyWorker(model_dir, _cfg(**over))
+    a2.reuse_first_forward = False
+    m2 = a2.train_step(ro, rewards, step=1)
+    assert m2["train/old_logprob_pass_samples"] == 8
+    for p1, p2 in zip(c.model.parameters(), a2.model.parameters(), strict=True):
+        assert torch.allclose(p1, p2, rtol=1e-4, atol=1e-6)
