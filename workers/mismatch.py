@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from workers.cluster import apply_env
 from workers.rollout import RolloutConfig, RolloutWorker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -221,14 +221,6 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def _env(run_dir: Path) -> None:
-    for key, sub in (("HF_HOME", "hf"), ("VLLM_CACHE_ROOT", "vllm-cache"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
-        os.environ.setdefault(key, str(run_dir / sub))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description="Print the (a)-(d) train/inference mismatch table on the tiny model")
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "mismatch"))
@@ -250,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", help="also write the table as JSON here")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
-    _env(run_dir)
+    apply_env(run_dir)
     from workers.bootstrap import SFTConfig, ensure_default_assets
     from workers.math_task import make_problem
     from workers.tiny_model import chat_prompt

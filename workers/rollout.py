@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
 import time
@@ -64,6 +63,7 @@ from pathlib import Path
 import torch
 
 from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
+from workers.cluster import apply_env
 
 PRECISIONS = ("bf16", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -221,23 +221,6 @@ def kv_bytes_per_token(model_cfg: Mapping, kv_cache_dtype: str) -> int:
     return int(model_cfg["num_hidden_layers"]) * 2 * int(heads) * head_size(model_cfg) * elem
 
 
-def _set_cache_env(run_dir: Path) -> None:
-    """vLLM / inductor / HF caches under ``run_dir`` unless already set (tests point them at one shared cache)."""
-    defaults = {
-        "VLLM_CACHE_ROOT": run_dir / "vllm-cache",
-        "TORCHINDUCTOR_CACHE_DIR": run_dir / "inductor",
-        "HF_HOME": run_dir / "hf",
-    }
-    for key, path in defaults.items():
-        if key not in os.environ:
-            os.environ[key] = str(path)
-        Path(os.environ[key]).mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-
-
 class _ProcessStateGuard:
     """Keep what vLLM in-process start-up changes globally from leaking: torch's RNG, thread count and
     ``torch.set_num_threads`` (vLLM CPU replaces it with a no-op), Python's and NumPy's RNG."""
@@ -312,7 +295,7 @@ class RolloutWorker:
                     f"({self.bytes_per_token} bytes/token with kv_cache_dtype={config.kv_cache_dtype!r}, "
                     f"{self.kv_mode})")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _set_cache_env(self.run_dir)
+        apply_env(self.run_dir)  # the run environment (workers.cluster: one place); existing values win
         self._kv_scales: dict[str, list[float]] | None = None
         self._last_stats = {"tokens_per_s": None, "generated_tokens": 0, "wall_s": None}
         self._last_refit_s: float | None = None
@@ -700,7 +683,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--refits", type=int, default=5)
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
-    _set_cache_env(run_dir)
+    apply_env(run_dir)
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
