@@ -1,0 +1,47 @@
+"""bench: the table computes the issue's ratios from the measured times; the numerics sections run; the
+workload picks the flow's prompts (same selection rule as workers.data.PromptSource)."""
+import bench.__main__ as B
+from bench.workload import Workload, step_rows
+
+
+def _res():
+    med = lambda step, refit: {"step_s": step, "refit_s": refit, "rollout_s": 1.0, "old_logprob_s": 0.5,  # noqa: E731
+                               "train_fwd_bwd_s": 2.0, "optimizer_s": 0.1, "reward_s": 0.01}
+    return {"trl": {"median_step_s": 4.0},
+            "steps": {"bf16": {"median": med(3.0, 0.03), "bf16_mode": "emulated"},
+                      "fp8": {"median": med(3.6, 0.06), "bf16_mode": "emulated"}},
+            "quantize": {"copy": 10.0, "tensorwise": 2.5, "rowwise": 2.0, "group128": 3.0, "block128": 1.0},
+            "linear": [{"shape": "8x8->8", "fp32_ms": 1.0, "bf16_autocast/fp32": 9.0, "bf16_emulated/fp32": 1.1,
+                        "fp8_blockwise/fp32": 1.2, "fp8_rowwise/fp32": 1.4, "fp8_tensorwise/fp32": 1.3}]}
+
+
+def test_table_ratios():
+    t = B.table(_res())
+    assert "| P1 bf16: project step / TRL step | 0.75 |" in t
+    assert "| P1 fp8: project step / TRL step | 0.90 |" in t
+    assert "| P3: FP8 step / BF16 step | 1.20 |" in t
+    assert "| refit share of the fp8 step | 1.7% |" in t
+    assert "quantize tensorwise: GB/s / copy GB/s (2.50 / 10.00) | 25% |" in t
+    assert "FP8 (worst recipe) / FP32 (FP32 1.0 ms) | 1.40 |" in t
+    without_trl = B.table({**_res(), "trl": None})
+    assert "| P1 bf16: project step / TRL step | n/a |" in without_trl
+
+
+def test_numerics_sections_run():
+    q = B.bench_quantize((64, 256), reps=1)
+    assert set(q) == {"copy", "tensorwise", "rowwise", "group128", "block128"} and min(q.values()) > 0
+    (lin,) = B.bench_linear([(64, 128, 128)], reps=1)
+    assert lin["shape"] == "64x128->128" and lin["fp8_blockwise/fp32"] > 0 and lin["bf16_emulated/fp32"] > 0
+
+
+def test_workload_rows_follow_the_flow(tmp_path):
+    from workers.data import PromptSource, load_split
+    from workers.math_task import generate_splits
+
+    splits = generate_splits(tmp_path, n_train=50, n_validation=5)
+    w = Workload(model_dir="unused", train_path=str(splits["train"]), num_prompts=4)
+    assert Workload.from_json(w.to_json()) == w
+    src = PromptSource(load_split(str(splits["train"])), None, question_key="question", answer_key="answer", seed=0)
+    for step in (0, 3):
+        flow = [(r["question"], r["answer"]) for r in src.train_rows(step, 4)]
+        assert [(r["question"], r["answer"]) for r in step_rows(w, step)] == flow
