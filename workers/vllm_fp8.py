@@ -266,8 +266,3 @@ class Fp8CoreLinearMethod(LinearMethodBase):
                                          pow2_activation=self.config.pow2_activation))
             row += n
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-
-
-# Names before the method served every recipe (tests/workers/test_vllm_fp8.py still uses them).
-Fp8CoreBlockConfig = Fp8CoreConfig
-Fp8CoreBlockLinearMethod = Fp8CoreLinearMethod

@@ -1,5 +1,5 @@
-"""The fp8core_block vLLM quantization method: layer selection, numerics identical to the trainer's FP8Linear,
-FP8 weights held by the engine after refit bit-identical to fp8core.quantize. The engine here keeps a BF16 KV cache,
+"""The fp8core vLLM quantization method in an engine: layer selection, FP8 weights held after refit bit-identical to
+fp8core.quantize, FP8 engine tracking the FP8 trainer (per-recipe layer numerics: test_vllm_fp8_recipes.py). The engine here keeps a BF16 KV cache,
 so these tests run on every CPU kind (vLLM's FP8 KV cache needs AVX-512/AMX); the FP8 KV cache and its scales are
 tested in tests/workers/test_fp8_kv_cache.py (native where the CPU has it, emulated everywhere)."""
 from pathlib import Path
@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8core.linear import FP8Linear, FP8LinearConfig
 from fp8core.quant import quantize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,55 +17,12 @@ POW2_W = True
 pytestmark = pytest.mark.slow  # imports vLLM (~10 s)
 
 
-@pytest.fixture
-def single_rank(monkeypatch):
-    """vLLM parameters record their tensor-parallel rank; outside an engine there is no TP group: rank 0 of 1."""
-    import vllm.model_executor.parameter as vparam
-
-    monkeypatch.setattr(vparam, "get_tensor_model_parallel_rank", lambda: 0)
-    monkeypatch.setattr(vparam, "get_tensor_model_parallel_world_size", lambda: 1)
-
-
-def _layer(widths, k, pow2_w=False, pow2_a=False):
-    from workers.vllm_fp8 import Fp8CoreBlockConfig, Fp8CoreBlockLinearMethod
-
-    cfg = Fp8CoreBlockConfig(num_hidden_layers=2, pow2_weight_scaling_factors=pow2_w,
-                             pow2_activation_scaling_factors=pow2_a)
-    method = Fp8CoreBlockLinearMethod(cfg)
-    layer = torch.nn.Module()
-    method.create_weights(layer, k, list(widths), k, sum(widths), torch.bfloat16, weight_loader=None)
-    return method, layer
-
-
-@pytest.mark.parametrize("widths,k,pow2", [((256, 128, 128), 256, False), ((200, 72), 300, True)])
-def test_apply_is_bit_identical_to_trainer_fp8linear(widths, k, pow2, single_rank):
-    """A fused layer (e.g. qkv_proj with partitions q/k/v) gives exactly the trainer's separate FP8Linear outputs,
-    also for partitions and K that are not multiples of 128."""
-    gen = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16) for n in widths]
-    method, layer = _layer(widths, k, pow2_w=pow2, pow2_a=pow2)
-    layer.weight.data.copy_(torch.cat(weights))
-    method.process_weights_after_loading(layer)
-    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_block_size == [128, 128]
-    x = (torch.randn(5, k, generator=gen) * 3).to(torch.bfloat16)
-    y = method.apply(layer, x)
-    cfg = FP8LinearConfig(pow2_weight=pow2, pow2_activation=pow2)
-    expected = []
-    for w in weights:
-        lin = FP8Linear(k, w.shape[0], bias=False, dtype=torch.bfloat16, config=cfg)
-        lin.weight.data.copy_(w)
-        with torch.no_grad():
-            expected.append(lin(x))
-    assert y.dtype == torch.bfloat16
-    assert torch.equal(y, torch.cat(expected, dim=-1))
-
-
 def test_layer_selection_follows_fp8_layer_indices():
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    from workers.vllm_fp8 import Fp8CoreBlockConfig, Fp8CoreBlockLinearMethod, quantization_config_dict
+    from workers.vllm_fp8 import Fp8CoreConfig, Fp8CoreLinearMethod, quantization_config_dict
 
-    cfg = Fp8CoreBlockConfig.from_config(quantization_config_dict(num_hidden_layers=6, num_first_layers_in_bf16=1,
+    cfg = Fp8CoreConfig.from_config(quantization_config_dict(num_hidden_layers=6, num_first_layers_in_bf16=1,
                                                                   num_last_layers_in_bf16=2))
     assert sorted(cfg.fp8_layers) == [1, 2, 3]
 
@@ -77,13 +33,13 @@ def test_layer_selection_follows_fp8_layer_indices():
 
     lin = FakeLinear.__new__(LinearBase)  # isinstance check only; no vLLM config needed
     kinds = {i: type(cfg.get_quant_method(lin, f"model.layers.{i}.self_attn.qkv_proj")) for i in range(6)}
-    assert kinds == {0: UnquantizedLinearMethod, 1: Fp8CoreBlockLinearMethod, 2: Fp8CoreBlockLinearMethod,
-                     3: Fp8CoreBlockLinearMethod, 4: UnquantizedLinearMethod, 5: UnquantizedLinearMethod}
+    assert kinds == {0: UnquantizedLinearMethod, 1: Fp8CoreLinearMethod, 2: Fp8CoreLinearMethod,
+                     3: Fp8CoreLinearMethod, 4: UnquantizedLinearMethod, 5: UnquantizedLinearMethod}
     assert cfg.get_quant_method(torch.nn.Embedding(2, 2), "lm_head") is None
     with pytest.raises(ValueError, match="exceeds"):
         quantization_config_dict(num_hidden_layers=2, num_first_layers_in_bf16=2, num_last_layers_in_bf16=1)
     with pytest.raises(ValueError, match="unknown keys.*bogus"):
-        Fp8CoreBlockConfig.from_config({"num_hidden_layers": 2, "bogus": 1})
+        Fp8CoreConfig.from_config({"num_hidden_layers": 2, "bogus": 1})
 
 
 # ------------------------------------------------------------------------------------------- engine tests
