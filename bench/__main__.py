@@ -196,6 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick-model", action="store_true",
                    help="the tests' 12-step SFT model instead of runs/assets' 300-step one (no 300-step SFT build)")
     args = p.parse_args(argv)
+    from fp8core.cpu import apply_cpu_cap
+
+    apply_cpu_cap()  # FP8GRPO_CPU_CAP=avx2 measures this machine as an AVX2-only one (before any op / vLLM import)
     (ROOT / "runs" / "bench").mkdir(parents=True, exist_ok=True)
     res: dict = {"cpu": cpu_line(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     print(f"# bench: {res['cpu']}; torch {torch.__version__}; load average "
