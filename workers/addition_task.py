@@ -94,30 +94,46 @@ def make_problem(rng: random.Random, spec: AdditionSpec | None = None, *, teache
     return {"question": question, "answer": str(a + b), "solution": scratchpad(a, b, forget=lambda i: rng.random() < drop)}
 
 
+def _pair(row: dict) -> tuple[int, int]:
+    a, b = (int(v) for v in re.findall(r"\d+", row["question"]))
+    return min(a, b), max(a, b)
+
+
+def _rows(rng: random.Random, spec: AdditionSpec | None, count: int, *, teacher: bool,
+          seen: set[tuple[int, int]]) -> list[dict]:
+    """``count`` problems whose operand pairs (either order) are not in ``seen``; adds them to ``seen``."""
+    rows = []
+    while len(rows) < count:
+        row = make_problem(rng, spec, teacher=teacher)
+        if _pair(row) in seen:
+            continue
+        seen.add(_pair(row))
+        rows.append(row)
+    return rows
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+    return path
+
+
 def generate_splits(out_dir: str | Path, *, n_train: int = 20000, n_validation: int = 500, seed: int = 0,
-                    spec: AdditionSpec | None = None) -> dict[str, Path]:
-    """Write ``train.jsonl`` and ``validation.jsonl`` (question / answer / solution: the teacher's in train, clean in
-    validation); no operand pair of validation appears in train (in either order)."""
+                    spec: AdditionSpec | None = None, n_sft: int = 0, sft_spec: AdditionSpec | None = None
+                    ) -> dict[str, Path]:
+    """Write ``validation.jsonl`` and ``train.jsonl`` (question / answer / solution: clean in validation, the
+    teacher's in train) from ``spec``, and with ``n_sft`` > 0 also ``sft.jsonl`` (the SFT warm start's rows, the
+    teacher's solutions, from ``sft_spec``: its operands may be longer than the RL prompts'). No operand pair
+    appears in two splits (in either order)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     seen: set[tuple[int, int]] = set()
-    paths = {}
-    for name, count in (("validation", n_validation), ("train", n_train)):
-        rows = []
-        while len(rows) < count:
-            row = make_problem(rng, spec, teacher=name == "train")
-            a, b = (int(v) for v in re.findall(r"\d+", row["question"]))
-            key = (min(a, b), max(a, b))
-            if key in seen:
-                continue
-            seen.add(key)
-            rows.append(row)
-        path = out / f"{name}.jsonl"
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
-        paths[name] = path
+    paths = {"validation": _write(out / "validation.jsonl", _rows(rng, spec, n_validation, teacher=False, seen=seen)),
+             "train": _write(out / "train.jsonl", _rows(rng, spec, n_train, teacher=True, seen=seen))}
+    if n_sft:
+        paths["sft"] = _write(out / "sft.jsonl", _rows(rng, sft_spec or spec, n_sft, teacher=True, seen=seen))
     return paths
 
 

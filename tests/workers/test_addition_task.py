@@ -105,3 +105,14 @@ def test_splits_teacher_noise_only_in_train(tmp_path):
     assert all(at.verify(r["solution"], r["answer"])[1] for r in rows["validation"])
     frac_wrong = sum(not at.verify(r["solution"], r["answer"])[1] for r in rows["train"]) / 400
     assert 0.2 < frac_wrong < 0.6
+
+
+def test_sft_split_longer_operands_and_no_shared_pairs(tmp_path):
+    paths = at.generate_splits(tmp_path, n_train=200, n_validation=50, seed=1, spec=at.AdditionSpec(2, 3),
+                               n_sft=300, sft_spec=at.AdditionSpec(2, 4, carry_drop=0.6))
+    rows = {k: [json.loads(line) for line in p.read_text().splitlines()] for k, p in paths.items()}
+    pairs = {k: {at._pair(r) for r in v} for k, v in rows.items()}
+    assert [len(pairs[k]) for k in ("validation", "train", "sft")] == [50, 200, 300]
+    assert not (pairs["validation"] & pairs["train"] or pairs["validation"] & pairs["sft"] or pairs["train"] & pairs["sft"])
+    assert max(max(p) for p in pairs["train"] | pairs["validation"]) < 1000
+    assert max(max(p) for p in pairs["sft"]) >= 1000  # the SFT saw 4-digit operands too

@@ -56,3 +56,22 @@ def test_sft_bootstrap_learns_the_format(tmp_path):
     assert 0.0 <= greedy_accuracy(assets["model_dir"], rows) <= 1.0
     marker = json.loads((assets["model_dir"] / ".complete").read_text())
     assert marker["steps"] == 60  # recipe recorded: a different recipe retrains instead of reusing
+
+
+@pytest.mark.slow
+def test_addition_assets_one_warm_start_per_seed(tmp_path):
+    from workers.bootstrap import SFTConfig, default_sft, ensure_default_assets
+
+    kw = dict(task="addition", spec=SMALL, n_train=100, n_validation=16, n_sft=200, log=lambda *_: None)
+    a0 = ensure_default_assets(tmp_path, sft=SFTConfig(steps=5, batch_size=8, seed=0), **kw)
+    a1 = ensure_default_assets(tmp_path, sft=SFTConfig(steps=5, batch_size=8, seed=1), **kw)
+    assert a0["model_dir"] == tmp_path / "addition" / "tiny-qwen3-sft-seed0"
+    assert a1["model_dir"] == tmp_path / "addition" / "tiny-qwen3-sft-seed1"
+    assert json.loads((a0["model_dir"] / ".complete").read_text())["seed"] == 0  # seed 1 did not overwrite seed 0
+    assert a0["validation"] == a1["validation"] and a0["base_model_dir"] == a1["base_model_dir"]
+    rows = [json.loads(line) for line in a0["sft"].read_text().splitlines()]
+    assert len(rows) == 200 and "+" in rows[0]["solution"] and "\\boxed{" in rows[0]["solution"]
+    assert len(a0["train"].read_text().splitlines()) == 100
+    assert default_sft("addition", seed=2, steps=7) == SFTConfig(steps=7, lr=default_sft("addition").lr, seed=2)
+    with pytest.raises(ValueError, match="data.task"):
+        ensure_default_assets(tmp_path, task="nope")
