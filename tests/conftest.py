@@ -27,6 +27,12 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+# FP8GRPO_CPU_CAP=avx2|avx512|avx512_bf16|amx runs the whole suite as on that CPU kind: applied here, before any test
+# imports vLLM (its kernels and FP8-KV support are picked from torch.cpu's probes); a no-op without the variable.
+from fp8core.cpu import apply_cpu_cap  # noqa: E402
+
+apply_cpu_cap()
+
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (for servers the tests start)."""
