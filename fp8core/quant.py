@@ -299,6 +299,21 @@ def _round_to_fp8_grid_(b: torch.Tensor, ib: torch.Tensor, fmt: str) -> torch.Te
     return b.div_(ulp).round_().mul_(ulp)
 
 
+class _SingleThread:
+    """Run the chunk loops on one intra-op thread: each op touches <= ~1 MB, too little to split, and with 2+ threads
+    every op pays a thread barrier (measured: tiny Qwen3 FP8 fwd+bwd 3.8x FP32 at 2 threads on a loaded 2-core box,
+    1.36x at 1 thread). Restores the caller's thread count."""
+
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        if self.n > 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.n > 1:
+            torch.set_num_threads(self.n)
+
+
 def _amax_groups(v: torch.Tensor, dims) -> torch.Tensor:
     return torch.maximum(v.amax(dim=dims), v.amin(dim=dims).neg())
 
@@ -434,7 +449,8 @@ def quantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool
     x2 = _as_2d(x.detach(), granularity)
     if x2 is None:
         return quantize_reference(x, granularity, fmt=fmt, pow2=pow2)
-    data, scale, _ = _quantize_2d(x2, granularity, fmt, pow2, want_data=True, want_dq=False)
+    with _SingleThread():
+        data, scale, _ = _quantize_2d(x2, granularity, fmt, pow2, want_data=True, want_dq=False)
     return QuantizedTensor(data.reshape(x.shape), scale.reshape(scale_shape), granularity, fmt)
 
 
@@ -448,7 +464,8 @@ def quantize_dequantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3",
     if x2 is None:
         q = quantize_reference(x, granularity, fmt=fmt, pow2=pow2)
         return dequantize(q), (q if keep_data else None)
-    data, scale, dq = _quantize_2d(x2, granularity, fmt, pow2, want_data=keep_data, want_dq=True)
+    with _SingleThread():
+        data, scale, dq = _quantize_2d(x2, granularity, fmt, pow2, want_data=keep_data, want_dq=True)
     q = QuantizedTensor(data.reshape(x.shape), scale.reshape(scale_shape), granularity, fmt) if keep_data else None
     return dq.reshape(x.shape), q
 
@@ -467,6 +484,11 @@ def quantize_dequantize_columns(x: torch.Tensor, granularity: str, *, fmt: str =
     x = x.detach()
     if granularity == "tensorwise" or x.numel() == 0:  # elementwise with one scale: transposing commutes
         return quantize_dequantize(x, granularity, fmt=fmt, pow2=pow2)[0]
+    with _SingleThread():
+        return _columns(x, granularity, fmt, pow2)
+
+
+def _columns(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> torch.Tensor:
     t, k = x.shape
     fp8_max, dev = FP8_MAX[fmt], x.device
     if granularity == "rowwise":
