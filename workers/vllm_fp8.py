@@ -67,8 +67,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.parameter import ModelWeightParameter
 
 from fp8core.convert import fp8_layer_indices
-from fp8core.linear import RECIPES, fp8_linear_forward, weight_granularity
-from fp8core.quant import GROUP, QuantizedTensor, quantize
+from fp8core.linear import RECIPES, fp8_linear_forward, resolve_backend, weight_granularity
+from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
 
 QUANT_NAME = "fp8core"
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -235,6 +235,7 @@ class Fp8CoreLinearMethod(LinearMethodBase):
                                  "FP8 (e4m3) codes")
             layer.weight = Parameter(data, requires_grad=False)
             layer.weight_scale_inv = Parameter(layer.weight_scale_inv.data, requires_grad=False)
+            self._cache_dequantized(layer)
             return
         datas, scales = [], []
         offset = 0
@@ -245,6 +246,13 @@ class Fp8CoreLinearMethod(LinearMethodBase):
             offset += width
         layer.weight = Parameter(torch.cat(datas, 0), requires_grad=False)
         layer.weight_scale_inv = Parameter(torch.cat(scales, 0).to(torch.float32), requires_grad=False)
+        self._cache_dequantized(layer)
+
+    def _cache_dequantized(self, layer: torch.nn.Module) -> None:
+        """The emulation's FP32 weights (``dequantize`` of each partition) computed once per load/refit instead of
+        on every forward; same values, so outputs stay bit-identical. Not kept where the GEMM runs on FP8 data."""
+        emulated = resolve_backend("auto", layer.weight.device) == "emulated"
+        layer.fp8core_weight_dq = [dequantize(q) for q in self.partitions(layer)] if emulated else None
 
     def partitions(self, layer: torch.nn.Module) -> list[QuantizedTensor]:
         """The layer's FP8 weight as one QuantizedTensor per logical partition (views, no copies)."""
@@ -258,11 +266,12 @@ class Fp8CoreLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         parts = self.partitions(layer)
+        dq = getattr(layer, "fp8core_weight_dq", None) or [None] * len(parts)
         ys, row = [], 0
-        for wq in parts:
+        for wq, w_dq in zip(parts, dq, strict=True):
             n = wq.data.shape[0]
             b = None if bias is None else bias[row:row + n]
             ys.append(fp8_linear_forward(x, wq, b, recipe=self.config.recipe,
-                                         pow2_activation=self.config.pow2_activation))
+                                         pow2_activation=self.config.pow2_activation, weight_dq=w_dq))
             row += n
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
