@@ -42,6 +42,9 @@ class VllmCfg:
 
     precision: Literal["bfloat16", "fp8"] = "bfloat16"
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # fp8 = E4M3 cache with per-layer K/V scales from calibration
+    # BF16 rollouts: auto = emulated (FP32 GEMMs on BF16-rounded operands, workers/vllm_bf16.py) on CPUs without
+    # BF16 units, native vLLM BF16 elsewhere; native | emulated force one (policy.bf16_mode is the trainer's twin).
+    bf16_mode: Literal["auto", "native", "emulated"] = "auto"
     # How kv_cache_dtype=fp8 is realised (workers/rollout.py): native = vLLM's FP8 cache (on CPU needs AVX-512/AMX and
     # head_size % 32 == 0), emulated = BF16 cache with K/V rounded through E4M3 (any CPU; no capacity gain),
     # auto = native where vLLM allows it, else emulated.

@@ -147,7 +147,8 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         cpu.update(cpu_kind=p_cpu["kind"], cpu_rollout_kind=r_stats["cpu"]["kind"], kv_mode=r_stats["kv_mode"])
         set_tags(uri, run_id, {"cpu/kind": caps.kind, "cpu/rollout_kind": r_stats["cpu"]["kind"],
                                "cpu/policy_kind": p_cpu["kind"], "cpu/cap": caps.cap or "none",
-                               "rollout/kv_mode": r_stats["kv_mode"]})
+                               "rollout/kv_mode": r_stats["kv_mode"], "policy/bf16_mode": info["bf16_mode"],
+                               "rollout/bf16_mode": r_stats["bf16_mode"]})
         ctx = RunContext.from_config(cfg, policy=workers.policy_name, rollout=workers.rollout_name, run_id=run_id,
                                      tracking_uri=uri, model_dir=str(model_dir), checkpoint_uri=ck_uri)
         kv_scales = None  # FP8 KV cache: calibrated on the policy, handed to every refit (they carry their step)

@@ -98,7 +98,7 @@ def rollout_config(cfg: Config):
         pow2_weight_scaling_factors=spec.pow2_weight, pow2_activation_scaling_factors=spec.pow2_activation)
     return RolloutConfig(
         precision="fp8" if vc.precision == "fp8" else "bf16", kv_cache_dtype=vc.kv_cache_dtype,
-        kv_cache_impl=vc.kv_cache_impl, **fp8,
+        kv_cache_impl=vc.kv_cache_impl, bf16_mode=vc.bf16_mode, **fp8,
         kv_cache_memory_bytes=vc.kv_cache_memory_bytes, max_model_len=vc.max_model_len, seed=cfg.grpo.seed,
         gpu_memory_utilization=vc.gpu_memory_utilization, enforce_eager=vc.enforce_eager,
         kv_scales_max_lag=max(0, cfg.calibration.kv_scales_period - 1))
@@ -156,7 +156,10 @@ def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Work
     # before they import torch; each actor also applies the cap itself (fp8core.cpu.apply_cpu_cap) before vLLM.
     cap = cap_env()
     env_p = {"OMP_NUM_THREADS": str(cfg.policy.threads), **cap}
-    env_r = {"OMP_NUM_THREADS": str(threads), **cap}
+    # glibc: keep large buffers mapped (the trainer does the same with mallopt): two 5 MB allocations took 3.9 ms
+    # instead of 0.12 ms when every free returned them to the OS
+    malloc = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+    env_r = {"OMP_NUM_THREADS": str(threads), **malloc, **cap}
     names = (f"fp8grpo-policy-{tag}", f"fp8grpo-rollout-{tag}")
     policy = ray.remote(_policy_actor_class()).options(
         name=names[0], num_cpus=pw.num_cpus, num_gpus=pw.num_gpus, runtime_env={"env_vars": env_p},

@@ -84,6 +84,9 @@ class RolloutConfig:
 
     precision: str = "bf16"  # bf16 | fp8 (FP8 linears in fp8_recipe, fp8core numerics)
     fp8_recipe: str = "blockwise"  # blockwise | rowwise | tensorwise (the trainer's, for end-to-end FP8)
+    # BF16 linears (precision bf16): native vLLM BF16, or emulated = FP32 GEMMs on BF16-rounded operands
+    # (workers/vllm_bf16.py); auto = emulated on CPUs without BF16 units (fp8core.cpu), native elsewhere.
+    bf16_mode: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | fp8 (e4m3 with per-layer K/V scales)
     kv_cache_impl: str = "auto"  # auto | native | emulated (module docstring; only with kv_cache_dtype="fp8")
     num_first_layers_in_bf16: int = 0
@@ -107,8 +110,11 @@ class RolloutConfig:
                              ("kv_cache_impl", KV_CACHE_IMPLS)):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"rollout.{key}={getattr(self, key)!r} is not one of {allowed}")
+        from fp8core.bf16 import BF16_MODES
         from fp8core.linear import RECIPES
 
+        if self.bf16_mode not in BF16_MODES:
+            raise ValueError(f"rollout.bf16_mode={self.bf16_mode!r} is not one of {BF16_MODES}")
         if self.fp8_recipe not in RECIPES:
             raise ValueError(f"rollout.fp8_recipe={self.fp8_recipe!r} is not one of {RECIPES}")
         if not isinstance(self.kv_scales_max_lag, int) or self.kv_scales_max_lag < 0:
@@ -278,6 +284,10 @@ class RolloutWorker:
         apply_cpu_cap()  # before vLLM is imported in this process (FP8GRPO_CPU_CAP; no-op without it)
         self.cpu = cpu_caps()
         on_gpu = torch.cuda.is_available()
+        from fp8core.bf16 import resolve_bf16_mode
+
+        self.bf16_mode = resolve_bf16_mode(config.bf16_mode, device=torch.device("cuda" if on_gpu else "cpu"),
+                                           native_bf16=self.cpu.native_bf16) if config.precision == "bf16" else "off"
         self.kv_mode, self.kv_mode_reason = resolve_kv_mode(self.model_cfg, config.kv_cache_dtype,
                                                             config.kv_cache_impl, caps=self.cpu, on_gpu=on_gpu)
         if config.kv_cache_dtype == "fp8":
@@ -332,6 +342,10 @@ class RolloutWorker:
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
         if self.kv_mode == "fp8-native":
             kwargs["kv_cache_dtype"] = "fp8_e4m3"
+        if self.bf16_mode == "emulated":
+            from workers.vllm_bf16 import engine_kwargs
+
+            kwargs.update(engine_kwargs())
         if c.precision == "fp8":
             from workers.vllm_fp8 import QUANT_NAME, quantization_config_dict
 
@@ -348,6 +362,8 @@ class RolloutWorker:
     def _start_engine(self):
         if self.config.precision == "fp8":
             import workers.vllm_fp8  # noqa: F401  (registers the quantization method)
+        if self.bf16_mode == "emulated":
+            import workers.vllm_bf16  # noqa: F401  (registers bf16_emulated)
         with _ProcessStateGuard():
             from vllm import LLM
 
@@ -578,6 +594,7 @@ class RolloutWorker:
             "kv_capacity_tokens": int(blocks * cc.block_size),
             "kv_cache_dtype": self.config.kv_cache_dtype,
             "kv_mode": self.kv_mode,  # bf16 | fp8-native | fp8-emulated
+            "bf16_mode": self.bf16_mode,  # off (FP8 linears) | native | emulated
             "kv_mode_reason": self.kv_mode_reason,
             # FP8 halves the bytes per token only when vLLM stores FP8 (native); emulated keeps the BF16 capacity.
             "kv_fp8_capacity_realised": self.kv_mode == "fp8-native",

@@ -49,6 +49,7 @@ READERS = {
     "policy.generation.vllm_cfg.precision": ("workers/cluster.py", "vc.precision"),
     "policy.generation.vllm_cfg.kv_cache_dtype": ("workers/cluster.py", "vc.kv_cache_dtype"),
     "policy.generation.vllm_cfg.kv_cache_impl": ("workers/cluster.py", "vc.kv_cache_impl"),
+    "policy.generation.vllm_cfg.bf16_mode": ("workers/cluster.py", "vc.bf16_mode"),
     "policy.generation.vllm_cfg.fp8_recipe": ("configs/schema.py", "_ROLLOUT_FP8_KEYS"),
     "policy.generation.vllm_cfg.num_first_layers_in_bf16": ("configs/schema.py", "_ROLLOUT_FP8_KEYS"),
     "policy.generation.vllm_cfg.num_last_layers_in_bf16": ("configs/schema.py", "_ROLLOUT_FP8_KEYS"),

@@ -79,3 +79,31 @@ def test_engine_generates_like_native_bf16():
         n = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
         diffs += [abs(x - y) for x, y in zip(la[:n], lb[:n], strict=False)]
     assert diffs and max(diffs) < 0.05, max(diffs)
+
+
+def test_rollout_worker_picks_bf16_emulation_from_its_cpu(tmp_path):
+    """RolloutWorker: bf16_mode=auto follows the worker's CPU (native BF16 units -> native, else emulated); emulated
+    puts every decoder linear on bf16_emulated; FP8 engines report 'off'."""
+    from fp8core.cpu import cpu_caps
+    from workers.mismatch import quick_sft_model
+    from workers.rollout import RolloutConfig, RolloutWorker
+    from workers.vllm_bf16 import Bf16EmulatedLinearMethod
+
+    model_dir = quick_sft_model(MODELS)
+    w = RolloutWorker(model_dir, RolloutConfig(bf16_mode="emulated", kv_cache_memory_bytes=16 << 20,
+                                               max_model_len=256), run_dir=tmp_path)
+    try:
+        kinds = w.llm.apply_model(lambda m: sorted({type(mod.quant_method).__name__ for name, mod in
+                                                    m.named_modules() if name.endswith(("qkv_proj", "down_proj"))}))[0]
+        assert w.stats()["bf16_mode"] == "emulated" and kinds == [Bf16EmulatedLinearMethod.__name__]
+        out = w.generate(["1 + 1 ="], n=2, max_tokens=8, seed=0)
+        assert all(s["token_ids"] for s in out[0]["samples"])
+    finally:
+        w.shutdown()
+    assert RolloutConfig(bf16_mode="auto").bf16_mode == "auto"
+    with pytest.raises(ValueError, match="rollout.bf16_mode='fast'"):
+        RolloutConfig(bf16_mode="fast")
+    from fp8core.bf16 import resolve_bf16_mode
+
+    expected = resolve_bf16_mode("auto", device=torch.device("cpu"), native_bf16=cpu_caps().native_bf16)
+    assert expected == ("native" if cpu_caps().native_bf16 else "emulated")
