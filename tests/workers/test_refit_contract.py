@@ -40,16 +40,6 @@ def _cfg(tmp, recipe="blockwise", pow2=True, first=1, last=0):
     return load_config(ROOT / "configs" / "tiny_fp8_e2e.yaml", over)
 
 
-def _engine_fp8(worker) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, list[int]]]:
-    def grab(model):
-        return {name: (m.weight.data.clone(), getattr(m, "weight_scale_inv", None), list(getattr(m, "logical_widths",
-                                                                                                  [])))
-                for name, m in model.named_modules() if name.endswith(("qkv_proj", "o_proj", "gate_up_proj",
-                                                                       "down_proj"))}
-
-    return worker.llm.apply_model(grab)[0]
-
-
 _FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o_proj": ("self_attn", ("o_proj",)),
           "gate_up_proj": ("mlp", ("gate_proj", "up_proj")), "down_proj": ("mlp", ("down_proj",))}
 
@@ -82,15 +72,17 @@ def _assert_engine_holds_trainer_fp8(policy, engine, first: int, last: int) -> i
                if hasattr(mod, "quantized_weight")}
     fp8_layers = set(range(first, 4 - last))
     assert trainer and {int(n.split(".")[2]) for n in trainer} == fp8_layers
+    def held_by_engine(model):  # {fused linear: [(FP8 data, scale) per partition] or None when not FP8}
+        return {name: [(q.data.clone(), q.scale.clone()) for q in m.quant_method.partitions(m)]
+                if hasattr(m.quant_method, "partitions") else None
+                for name, m in model.named_modules() if name.endswith(tuple(_FUSED))}
+
     checked = 0
-    for name, (data, scale, _) in _engine_fp8(engine).items():
+    for name, held in engine.llm.apply_model(held_by_engine)[0].items():
         layer = int(name.split(".")[2])
         if layer not in fp8_layers:
-            assert data.dtype != torch.float8_e4m3fn and scale is None, name
+            assert held is None, name
             continue
-        held = engine.llm.apply_model(lambda model, n=name: [(q.data.clone(), q.scale.clone()) for q in
-                                                             model.get_submodule(n).quant_method.partitions(
-                                                                 model.get_submodule(n))])[0]
         sub, parts = _FUSED[name.rsplit(".", 1)[1]]
         assert len(held) == len(parts)
         for (d, sc), part in zip(held, parts, strict=True):
