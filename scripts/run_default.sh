@@ -45,7 +45,8 @@ from configs.schema import EMBEDDED, load_config
 from flows.bootstrap import ensure_assets
 cfg = load_config(sys.argv[1], sys.argv[2:])
 if EMBEDDED in (cfg.policy.model_name, cfg.data.train_path, cfg.data.validation_path):
-    out = ensure_assets.fn(cfg.bootstrap.assets_dir, cfg.bootstrap.sft_steps, cfg.grpo.seed)  # same cache as the flow
+    out = ensure_assets.fn(cfg.bootstrap.assets_dir, cfg.bootstrap.sft_steps, cfg.grpo.seed,
+                           cfg.data.task)  # same cache as the flow
     print(f"assets: model {out['model_dir']}, data {out['train']} / {out['validation']}")
 PY
 
