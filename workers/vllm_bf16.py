@@ -75,20 +75,29 @@ class Bf16EmulatedConfig(QuantizationConfig):
         return Bf16EmulatedLinearMethod() if isinstance(layer, LinearBase) else None
 
 
+def stage_fp32_weight(layer: torch.nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                      params_dtype: torch.dtype, weight_loader) -> None:
+    """The layer attributes vLLM's linears expect and an FP32 ``weight`` ``[N, K]`` that checkpoint / refit tensors
+    load into (FP32, so FP32 masters arrive unrounded); ``process_weights_after_loading`` turns it into the kernel
+    form. Shared by this method and workers/vllm_fp8.py."""
+    layer.logical_widths = list(output_partition_sizes)
+    layer.input_size_per_partition = input_size_per_partition
+    layer.output_size_per_partition = sum(output_partition_sizes)
+    layer.orig_dtype = params_dtype
+    weight = ModelWeightParameter(
+        data=torch.empty(layer.output_size_per_partition, input_size_per_partition, dtype=torch.float32),
+        input_dim=1, output_dim=0, weight_loader=weight_loader)
+    layer.register_parameter("weight", weight)
+
+
 class Bf16EmulatedLinearMethod(LinearMethodBase):
     """FP32 weight holding BF16 values; ``apply`` = FP32 GEMM, result rounded to BF16."""
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
-        layer.logical_widths = list(output_partition_sizes)
-        layer.input_size_per_partition = input_size_per_partition
-        layer.output_size_per_partition = sum(output_partition_sizes)
-        layer.orig_dtype = params_dtype
-        weight = ModelWeightParameter(
-            data=torch.empty(layer.output_size_per_partition, input_size_per_partition, dtype=torch.float32),
-            input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.get("weight_loader"))
-        layer.register_parameter("weight", weight)
+        stage_fp32_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype,
+                          extra_weight_attrs.get("weight_loader"))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         w = layer.weight.data

@@ -64,11 +64,11 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
-from vllm.model_executor.parameter import ModelWeightParameter
 
 from fp8core.convert import fp8_layer_indices
 from fp8core.linear import RECIPES, fp8_linear_forward, resolve_backend, weight_granularity
 from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
+from workers.vllm_bf16 import stage_fp32_weight
 
 QUANT_NAME = "fp8core"
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -201,15 +201,9 @@ class Fp8CoreLinearMethod(LinearMethodBase):
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
-        layer.logical_widths = list(output_partition_sizes)
-        layer.input_size_per_partition = input_size_per_partition
-        layer.output_size_per_partition = sum(output_partition_sizes)
-        layer.orig_dtype = params_dtype
+        stage_fp32_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype,
+                          extra_weight_attrs.get("weight_loader"))
         layer.weight_block_size = self.config.weight_block_size
-        weight = ModelWeightParameter(
-            data=torch.empty(layer.output_size_per_partition, input_size_per_partition, dtype=torch.float32),
-            input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.get("weight_loader"))
-        layer.register_parameter("weight", weight)
         # Pre-quantized checkpoints (an FP8 export, an FP8 refit) also bring ``<proj>.weight_scale_inv`` per
         # partition; ``weight`` then stages the FP8 codes (exact in FP32) and nothing is re-quantized.
         gran = self.config.weight_granularity
