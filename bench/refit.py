@@ -20,6 +20,8 @@ import statistics
 import time
 from pathlib import Path
 
+from fp8core.linear import RECIPES
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", help="HF model dir (default: the tiny model, built under --run-dir)")
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "bench-refit"))
-    ap.add_argument("--recipe", default="blockwise", choices=("blockwise", "rowwise", "tensorwise"))
+    ap.add_argument("--recipe", default="blockwise", choices=RECIPES)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from fp8core.linear import RECIPES
 from workers.cluster import apply_env
 from workers.rollout import RolloutConfig, RolloutWorker
 
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-first-layers-in-bf16", type=int, default=0)
     ap.add_argument("--num-last-layers-in-bf16", type=int, default=0)
     ap.add_argument("--pow2", action="store_true", help="pow2 weight and activation scaling factors")
-    ap.add_argument("--fp8-recipe", default="blockwise", choices=("blockwise", "rowwise", "tensorwise"),
+    ap.add_argument("--fp8-recipe", default="blockwise", choices=RECIPES,
                     help="FP8 recipe of rows (b)-(d): engine and trainer run the same one")
     ap.add_argument("--json", help="also write the table as JSON here")
     args = ap.parse_args(argv)
