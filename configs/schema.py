@@ -19,6 +19,7 @@ message starts with the dotted path of the offending key.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -211,6 +212,50 @@ class DataCfg:
 
 
 @dataclass(frozen=True)
+class EvalSetCfg:
+    """One validation set beside the main one (``data.validation_path``, named ``main``). ``path``:
+    ``embedded:digits<N>`` (the addition task with N-digit operands, generated once next to the embedded assets;
+    ``data.task: addition`` only) or a jsonl / parquet file (local, file://, s3://; GSM8K / OpenMathInstruct layouts
+    by naming the columns). ``when``: ``period`` = at every validation (step 0, every grpo.val_period steps, the end),
+    ``ends`` = at step 0 and at the last step only."""
+
+    name: str
+    path: str
+    task: Literal["addition", "arithmetic"] | None = None  # the verifier; None = data.task
+    question_key: str | None = None  # None = data.question_key
+    answer_key: str | None = None  # None = data.answer_key
+    max_samples: int = 200  # the first max_samples rows of the file (grpo.max_val_samples caps every set)
+    when: Literal["period", "ends"] = "ends"
+
+
+@dataclass(frozen=True)
+class EvaluationCfg:
+    """Validation beyond greedy accuracy on the main set: extra sets (``sets``) and sampled pass@k / avg@k
+    (``num_samples`` responses per prompt at the rollout temperature, unbiased estimators of fp8core.stats; 0 = off),
+    each with a 95% confidence interval. Sampled evaluation covers the first ``sampled_max_prompts`` prompts of each
+    set named in ``sampled_sets`` that is validated at that step; ``sampled_when``: ``ends`` (step 0 and the last
+    step) or ``period``."""
+
+    sets: tuple[EvalSetCfg, ...] = ()
+    num_samples: int = 0
+    pass_k: tuple[int, ...] = (1, 8)
+    sampled_sets: tuple[str, ...] = ("main",)
+    sampled_max_prompts: int = 64
+    sampled_when: Literal["period", "ends"] = "ends"
+    bootstrap_samples: int = 2000  # resamples of the bootstrap intervals (pass@k / avg@k)
+
+
+@dataclass(frozen=True)
+class TestingCfg:
+    """TEST-ONLY fault injection (keep at the defaults in real runs): ``fault_val_accuracy_drop`` = d > 0 turns
+    round(d * prompts) of the correct greedy validation answers of every set into wrong ones (chosen with the run's
+    seed), i.e. a run degraded by d accuracy points; the nightly regression's tests use it to show that its verdict
+    fails on a degraded FP8 run. A run with a fault says so at start and carries the MLflow tag ``testing.fault``."""
+
+    fault_val_accuracy_drop: float = 0.0
+
+
+@dataclass(frozen=True)
 class CheckpointingCfg:
     enabled: bool = True
     checkpoint_dir: str = "checkpoints"  # relative = under run_dir; file://, s3://
@@ -276,6 +321,8 @@ class Config:
     logger: LoggerCfg = field(default_factory=LoggerCfg)
     ray: RayCfg = field(default_factory=RayCfg)
     cluster: ClusterCfg = field(default_factory=ClusterCfg)
+    evaluation: EvaluationCfg = field(default_factory=EvaluationCfg)
+    testing: TestingCfg = field(default_factory=TestingCfg)
     bootstrap: BootstrapCfg = field(default_factory=BootstrapCfg)
 
     def __post_init__(self):
@@ -456,6 +503,60 @@ def _validate(c: Config):
         _check(ck.keep_last_k is None or ck.keep_last_k >= 1, "checkpointing.keep_last_k", "must be >= 1 or null")
     _check(not ck.resume or ck.enabled, "checkpointing.resume", "resume needs checkpointing.enabled: true")
     _check(bool(c.data.question_key) and bool(c.data.answer_key), "data.question_key", "column names must be non-empty")
+    _validate_evaluation(c)
+
+
+_SET_NAME = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
+_EMBEDDED_SET = re.compile(r"^embedded:digits(\d+)$")
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")
+
+
+def embedded_set_digits(path: str) -> int | None:
+    """N of an ``embedded:digits<N>`` evaluation-set path, else None."""
+    m = _EMBEDDED_SET.match(path)
+    return int(m.group(1)) if m else None
+
+
+def _validate_evaluation(c: Config):
+    ev, names = c.evaluation, set()
+    for i, s in enumerate(ev.sets):
+        key = f"evaluation.sets[{i}]"
+        _check(bool(_SET_NAME.match(s.name)), f"{key}.name",
+               f"{s.name!r}: use 1-40 letters, digits, '_' or '-' (it becomes the metric prefix val/<name>/)")
+        _check(s.name != "main", f"{key}.name", "'main' is the data.validation_path set; pick another name")
+        _check(s.name not in names, f"{key}.name", f"{s.name!r} names two evaluation sets")
+        names.add(s.name)
+        _check(s.max_samples >= 1, f"{key}.max_samples", f"must be >= 1, got {s.max_samples}")
+        if s.path.startswith(EMBEDDED):
+            n = embedded_set_digits(s.path)
+            _check(n is not None and 1 <= n <= 12, f"{key}.path",
+                   f"{s.path!r}: embedded sets are 'embedded:digits<N>' with 1 <= N <= 12 (N-digit addition)")
+            task = s.task or c.data.task
+            _check(task == "addition", f"{key}.path",
+                   f"{s.path!r} is an addition set, but the set's task is {task!r} (data.task / {key}.task)")
+        else:
+            _check(s.path.endswith(_DATA_SUFFIXES), f"{key}.path",
+                   f"{s.path!r}: expected 'embedded:digits<N>' or a {' / '.join(_DATA_SUFFIXES)} file")
+        for col in ("question_key", "answer_key"):
+            v = getattr(s, col)
+            _check(v is None or bool(v), f"{key}.{col}", "column names must be non-empty (or unset: data.*)")
+    _check(ev.num_samples >= 0, "evaluation.num_samples",
+           f"must be >= 0 (0 = no sampled evaluation), got {ev.num_samples}")
+    if ev.num_samples:
+        _check(len(ev.pass_k) >= 1 and all(k >= 1 for k in ev.pass_k), "evaluation.pass_k",
+               f"needs k >= 1 values, got {list(ev.pass_k)}")
+        _check(max(ev.pass_k) <= ev.num_samples, "evaluation.pass_k",
+               f"the unbiased pass@k needs n >= k samples: k={max(ev.pass_k)} > evaluation.num_samples="
+               f"{ev.num_samples}")
+    for i, name in enumerate(ev.sampled_sets):
+        _check(name == "main" or name in names, f"evaluation.sampled_sets[{i}]",
+               f"{name!r} is not a validation set (main, or a name in evaluation.sets: {sorted(names)})")
+    _check(ev.sampled_max_prompts >= 1, "evaluation.sampled_max_prompts",
+           f"must be >= 1, got {ev.sampled_max_prompts}")
+    _check(ev.bootstrap_samples >= 100, "evaluation.bootstrap_samples",
+           f"must be >= 100 for a percentile interval, got {ev.bootstrap_samples}")
+    d = c.testing.fault_val_accuracy_drop
+    _check(0.0 <= d < 1.0, "testing.fault_val_accuracy_drop", f"TEST-ONLY fault: must be in [0, 1), got {d}")
 
 
 # --------------------------------------------------------------------------------------------------------- loading
@@ -492,6 +593,10 @@ def _convert(tp, value, path: str):
         return value
     if origin is tuple:
         args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list of any length
+            if not isinstance(value, Sequence) or isinstance(value, str):
+                raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+            return tuple(_convert(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
         if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != len(args):
             raise ConfigError(f"{path}: expected a list of {len(args)} values, got {value!r}")
         return tuple(_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True)))

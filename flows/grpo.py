@@ -84,6 +84,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     from workers.checkpoint import CheckpointStore
     from workers.cluster import apply_env, check_rollout_kv, init_ray, start_workers, stop_workers
     from workers.data import PromptSource
+    from workers.eval_sets import check_eval_paths, load_eval_sets
 
     t_start = time.perf_counter()
     cfg = load_config(config_path, list(overrides or []))
@@ -92,6 +93,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     apply_env(run_dir)
     (run_dir / "config.resolved.yaml").write_text(to_yaml(cfg))
     _say(f"fp8-grpo: recipe {cfg.recipe} ({cfg.precision_tag}), run dir {run_dir}")
+    check_eval_paths(cfg)  # a local evaluation-set file that is missing fails before the assets are built
     caps = cpu_caps()  # this (driver) node; each actor reports its own below
     _say(describe())
 
@@ -110,6 +112,10 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         _say(f"rollout FP8 KV cache: {kv_mode} ({kv_reason})")
     data = PromptSource.from_config(cfg.data, train_path=train_path, validation_path=val_path, seed=cfg.grpo.seed)
     val_rows = data.validation_rows(cfg.grpo.max_val_samples)
+    eval_rows = load_eval_sets(cfg)  # evaluation.sets: a missing file / column fails here, naming the key
+    if cfg.testing.fault_val_accuracy_drop:
+        _say(f"TEST-ONLY FAULT: testing.fault_val_accuracy_drop={cfg.testing.fault_val_accuracy_drop}: validation "
+             "accuracy is deliberately degraded (a test of the regression verdict; never use it in a real run)")
 
     # -- resume state (read before MLflow, so the same run is reopened) ---------------------------------------------
     ck_cfg = cfg.checkpointing
@@ -133,6 +139,8 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     started_ray, workers, status = False, None, "FAILED"
     cpu = {"cpu_kind": caps.kind, "cpu_model": caps.model, "cpu_cap": caps.cap}  # the actors' kinds once they are up
     val_acc: dict[int, float] = {}
+    val_metrics: dict[int, dict] = {}  # step -> val/* metrics of every set validated then (with CIs)
+    val_files: dict[str, dict[int, str]] = {}  # set -> step -> run_dir/val/<set>/step_XXXXXX.jsonl
     last_ck, history = None, []
     try:
         started_ray = init_ray(cfg, run_dir)
@@ -160,13 +168,25 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
             kv_scales, _ = rl.calibrate(ctx, ref, 0)
 
         def run_validation(step: int) -> None:
-            out = rl.validate(ctx, val_rows, step, kv_scales=kv_scales,
+            ends = step in (0, cfg.grpo.max_num_steps)  # evaluation.*: "ends" sets / sampling run only here
+            sets = {"main": val_rows, **{s.name: eval_rows[s.name] for s in cfg.evaluation.sets
+                                         if s.when == "period" or ends}}
+            sampled = cfg.evaluation.num_samples > 0 and (cfg.evaluation.sampled_when == "period" or ends)
+            out = rl.validate(ctx, sets, step, kv_scales=kv_scales, sampled=sampled,
                               num_samples_to_keep=cfg.logger.num_val_samples_to_print)
-            val_acc[step] = out["metrics"]["val/accuracy"]
+            m = out["metrics"]
+            val_acc[step] = m["val/accuracy"]
+            val_metrics[step] = {k: v for k, v in m.items() if k.startswith("val/") or k.startswith("time/validate")}
+            for name, recs in out["records"].items():  # per-prompt results: paired comparisons across runs
+                path = run_dir / "val" / name / f"step_{step:06d}.jsonl"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                text = "".join(json.dumps(r) + "\n" for r in recs)
+                path.write_text(text)
+                val_files.setdefault(name, {})[step] = str(path)
+                log_text(uri, run_id, text, f"val/{name}/step_{step:06d}.jsonl")
             log_text(uri, run_id, json.dumps(out["samples"], indent=1), f"samples/val_step_{step:06d}.json")
-            if step == start_step:
-                _say(f"step {step:>3}/{cfg.grpo.max_num_steps} | validation accuracy {val_acc[step]:.3f} "
-                     f"({len(val_rows)} prompts, {out['metrics']['time/validate_s']:.1f}s)")
+            if step == start_step or ends:
+                _say(_val_lines(step, cfg, m, list(sets)))
 
         if cfg.grpo.val_at_start and start_step == 0:
             run_validation(0)
@@ -195,6 +215,10 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
                 ray.shutdown()
         summary = _summary(cfg, history, val_acc, start_step, last_ck, uri, run_id, time.perf_counter() - t_start)
         summary.update(cpu)  # cpu_kind: where the trainer ran (the regression's throughput floor is per kind)
+        val_s = sum(v.get("time/validate_s", 0.0) for v in val_metrics.values())
+        summary.update(val_files=val_files, val_metrics=val_metrics, validate_s_total=val_s,
+                       validate_share=val_s / summary["wall_s"] if summary["wall_s"] else None,
+                       testing_fault_val_accuracy_drop=cfg.testing.fault_val_accuracy_drop)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         if uri and run_id:
             if val_acc:
@@ -228,6 +252,30 @@ def _summary(cfg, history, val_acc, start_step, last_ck, uri, run_id, wall) -> d
             "checkpoint": last_ck, "mlflow_tracking_uri": uri, "mlflow_run_id": run_id, "wall_s": wall}
 
 
+def _val_lines(step: int, cfg: Config, m: dict, names: list[str]) -> str:
+    """The terminal's validation lines at the first and the last validation: each set's greedy accuracy with its
+    95% CI, and pass@k / avg@k (with CIs) where sampled."""
+    parts = []
+    for name in names:
+        p = f"val/{name}/"
+        parts.append(f"{name} {m[p + 'accuracy']:.3f} [{m[p + 'accuracy_lo']:.3f}, {m[p + 'accuracy_hi']:.3f}] "
+                     f"({int(m[p + 'num_prompts'])} prompts)")
+    lines = [f"step {step:>3}/{cfg.grpo.max_num_steps} | validation accuracy (greedy, 95% CI): " + " | ".join(parts)
+             + f" | {m['time/validate_s']:.1f}s"]
+    ev = cfg.evaluation
+    for name in names:
+        p = f"val/{name}/"
+        if p + "sampled_prompts" not in m:
+            continue
+        # avg@k = c/n for every k (the mean accuracy of one sample): printed once, for the largest k
+        pairs = [("pass", k) for k in ev.pass_k] + [("avg", max(ev.pass_k))]
+        est = [f"{kind}@{k} {m[f'{p}{kind}_at_{k}']:.3f} [{m[f'{p}{kind}_at_{k}_lo']:.3f}, "
+               f"{m[f'{p}{kind}_at_{k}_hi']:.3f}]" for kind, k in pairs]
+        lines.append(f"           {name}, {ev.num_samples} samples at T={cfg.policy.generation.temperature} on "
+                     f"{int(m[p + 'sampled_prompts'])} prompts: " + ", ".join(est))
+    return "\n".join(lines)
+
+
 def _final_lines(s: dict) -> str:
     lines = [f"done: {s['steps_run']} steps of {s['recipe']} ({s['precision']}) in {s['wall_s']:.0f}s; "
              f"val accuracy {s['val_accuracy_start']} -> {s['val_accuracy_end']}; "
@@ -249,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     from fp8core.cpu import apply_cpu_cap
 
     try:
-        load_config(argv[0], argv[1:])  # fail fast with the dotted path, before Prefect starts its server
+        cfg = load_config(argv[0], argv[1:])  # fail fast with the dotted path, before Prefect starts its server
+        from workers.eval_sets import check_eval_paths
+
+        check_eval_paths(cfg)  # evaluation.sets[i].path: a local file that does not exist
         # A fresh process: the driver (bootstrap SFT, data) follows FP8GRPO_CPU_CAP too. The flow function itself
         # does not patch its process (it may be a long-lived one); the actors always apply the cap themselves.
         apply_cpu_cap()

@@ -47,6 +47,9 @@ __all__ = [
     "sample_estimates",
     "paired_bootstrap",
     "z_quantile",
+    "DropTestPlan",
+    "drop_test_plan",
+    "seeds_needed",
 ]
 
 
@@ -238,3 +241,43 @@ def _strata(x, name: str) -> list[np.ndarray]:
     if any(not np.isfinite(r).all() for r in out):
         raise ValueError(f"{name}: non-finite per-prompt values")
     return out
+
+
+# -- power of a one-sided "drop" test ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DropTestPlan:
+    """A one-sided test "the candidate is worse by more than ``threshold``" on a mean difference whose standard error
+    is ``se`` (normal approximation): it fails a run when the observed drop exceeds ``threshold``.
+    ``false_fail`` = P(fail | no real drop) = 1 - Phi(threshold / se); ``power`` = P(fail | a real drop of
+    ``effect``) = 1 - Phi((threshold - effect) / se)."""
+
+    se: float
+    effect: float
+    threshold: float
+    power: float
+    false_fail: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def drop_test_plan(*, se: float, effect: float, power: float = 0.8) -> DropTestPlan:
+    """The threshold that detects a real drop of ``effect`` with probability ``power`` given the standard error
+    ``se`` of the measured drop: ``threshold = effect - z(power) * se``; returns it with its false-fail rate."""
+    if not (se > 0 and effect > 0 and 0.5 <= power < 1):
+        raise ValueError(f"need se > 0, effect > 0 and power in [0.5, 1), got se={se}, effect={effect}, power={power}")
+    nd = NormalDist()
+    t = effect - nd.inv_cdf(power) * se
+    return DropTestPlan(se=se, effect=effect, threshold=t, power=power, false_fail=1 - nd.cdf(t / se))
+
+
+def seeds_needed(*, sd_per_seed: float, effect: float, power: float = 0.8, false_fail: float = 0.05) -> int:
+    """Paired seeds needed so that a drop of ``effect`` fails with ``power`` while no drop fails at most ``false_fail``
+    of the time, when one seed's paired difference has standard deviation ``sd_per_seed``:
+    ``S >= (sd * (z(power) + z(1 - false_fail)) / effect) ** 2``."""
+    if not (sd_per_seed > 0 and effect > 0):
+        raise ValueError(f"need sd_per_seed > 0 and effect > 0, got {sd_per_seed}, {effect}")
+    z = z_quantile(power) + z_quantile(1 - false_fail)
+    return max(1, math.ceil((sd_per_seed * z / effect) ** 2))

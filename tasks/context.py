@@ -16,6 +16,20 @@ class GenParams:
 
 
 @dataclass(frozen=True)
+class EvalParams:
+    """Validation beyond greedy accuracy (``evaluation.*``): ``n`` samples per prompt at the rollout temperature for
+    pass@k / avg@k (0 = off) on the first ``max_prompts`` prompts of each set; ``fault_drop`` is the TEST-ONLY
+    ``testing.fault_val_accuracy_drop``."""
+
+    n: int
+    ks: tuple[int, ...]
+    max_prompts: int
+    n_boot: int
+    sets: tuple[str, ...] = ("main",)  # the sets that get sampled evaluation
+    fault_drop: float = 0.0
+
+
+@dataclass(frozen=True)
 class CheckpointTarget:
     uri: str | None  # None: checkpointing off
     keep_last_k: int | None
@@ -38,11 +52,12 @@ class RunContext:
     val_batch_size: int
     checkpoint: CheckpointTarget
     rollout_fp8_spec: dict | None  # fp8core.spec.FP8Spec fields of the engine (saved with checkpoints for export)
+    eval: EvalParams = EvalParams(n=0, ks=(), max_prompts=0, n_boot=2000)
 
     @classmethod
     def from_config(cls, cfg, *, policy: str, rollout: str, run_id: str | None, tracking_uri: str | None,
                     model_dir: str, checkpoint_uri: str | None) -> RunContext:
-        gen, cal, ck = cfg.policy.generation, cfg.calibration, cfg.checkpointing
+        gen, cal, ck, ev = cfg.policy.generation, cfg.calibration, cfg.checkpointing, cfg.evaluation
         spec = cfg.rollout_fp8_spec()
         return cls(policy=policy, rollout=rollout, run_id=run_id, tracking_uri=tracking_uri, model_dir=str(model_dir),
                    seed=cfg.grpo.seed, recipe=cfg.recipe,
@@ -52,4 +67,6 @@ class RunContext:
                    kv_samples=cal.kv_calibration_samples, val_batch_size=cfg.grpo.val_batch_size,
                    checkpoint=CheckpointTarget(uri=checkpoint_uri, keep_last_k=ck.keep_last_k,
                                                endpoint_url=ck.s3_endpoint_url),
-                   rollout_fp8_spec=None if spec is None else asdict(spec))
+                   rollout_fp8_spec=None if spec is None else asdict(spec),
+                   eval=EvalParams(n=ev.num_samples, ks=tuple(ev.pass_k), max_prompts=ev.sampled_max_prompts,
+                                   n_boot=ev.bootstrap_samples, sets=tuple(ev.sampled_sets), fault_drop=cfg.testing.fault_val_accuracy_drop))

@@ -105,25 +105,97 @@ def calibrate(ctx: RunContext, ref: ray.ObjectRef, step: int) -> tuple[dict | No
     return s, m
 
 
-@task(name="validate", **TASK, retries=1)
-def validate(ctx: RunContext, rows: list[dict], step: int, *, kv_scales: dict | None = None,
-             num_samples_to_keep: int = 4) -> dict:
-    """Near-greedy decoding (T=0.01, fixed seed) of the validation prompts on the current policy weights (refit first) -> accuracy."""
-    t0 = time.perf_counter()
-    refit.fn(ctx, kv_scales)
-    prompts, bs = prompts_for(ctx.model_dir, rows), ctx.val_batch_size  # grpo.val_batch_size prompts per call
-    outs = []
+SAMPLED_SEED = 7_000_001  # sampled evaluation: prompt g of a set gets seeds SAMPLED_SEED + g*n ... (same every step)
+
+
+def _generate_rows(ctx: RunContext, rows: list[dict], *, n: int, temperature: float, top_p: float,
+                   seed0: int) -> list[dict]:
+    """``n`` completions per row, grpo.val_batch_size prompts per engine call; prompt g gets seed ``seed0 + g*n``
+    (independent of the chunking, the same at every validation step: common random numbers across steps)."""
+    prompts, bs, outs = prompts_for(ctx.model_dir, rows), ctx.val_batch_size, []
     for i in range(0, len(prompts), bs):
         outs += ray.get(actor(ctx.rollout).generate.remote(
-            prompts[i:i + bs], n=1, max_tokens=ctx.gen.max_tokens, temperature=VAL_TEMPERATURE, seed=i))
-    texts = [o["samples"][0]["text"] for o in outs]
-    checks = [_verify(r, t) for t, r in zip(texts, rows, strict=True)]
-    correct = [c for _, c in checks]
-    lengths = [len(o["samples"][0]["token_ids"]) for o in outs]
-    m = {"val/accuracy": sum(correct) / len(correct), "val/format_valid": sum(f for f, _ in checks) / len(checks),
-         "val/response_length_mean": sum(lengths) / len(lengths),
-         "val/num_samples": float(len(rows)), "time/validate_s": time.perf_counter() - t0}
-    log_metrics(ctx.tracking_uri, ctx.run_id, m, step)
-    samples = [{"question": r["question"], "answer": r["answer"], "response": t, "correct": bool(c)}
-               for r, t, c in list(zip(rows, texts, correct, strict=True))[:num_samples_to_keep]]
-    return {"metrics": m, "samples": samples}
+            prompts[i:i + bs], n=n, max_tokens=ctx.gen.max_tokens, temperature=temperature, top_p=top_p,
+            seed=seed0 + i * n))
+    return outs
+
+
+def _fault(correct: list[bool], drop: float, seed: int) -> set[int]:
+    """TEST-ONLY (testing.fault_val_accuracy_drop): indices of round(drop * len) correct answers to turn wrong."""
+    import random
+
+    right = [i for i, c in enumerate(correct) if c]
+    return set(random.Random(seed).sample(right, min(len(right), round(drop * len(correct)))))
+
+
+def _set_metrics(prefix: str, records: list[dict], ev, *, sampled: bool) -> dict:
+    """Greedy accuracy (Wilson 95% CI), format-valid, length; with sampled results pass@k / avg@k (unbiased, bootstrap
+    95% CI over prompts) -- metric names ``{prefix}accuracy``, ``{prefix}accuracy_lo`` / ``_hi``, ``{prefix}pass_at_k``."""
+    import numpy as np
+
+    from fp8core.stats import accuracy_estimate, sample_estimates
+
+    acc = accuracy_estimate([r["correct"] for r in records])
+    m = {f"{prefix}accuracy": acc.value, f"{prefix}accuracy_lo": acc.lo, f"{prefix}accuracy_hi": acc.hi,
+         f"{prefix}format_valid": sum(r["format_valid"] for r in records) / len(records),
+         f"{prefix}response_length_mean": sum(r["response_tokens"] for r in records) / len(records),
+         f"{prefix}num_prompts": float(len(records))}
+    with_samples = [r for r in records if "samples_correct" in r]
+    if sampled and with_samples:
+        mat = np.array([r["samples_correct"] for r in with_samples], dtype=bool)
+        for name, e in sample_estimates(mat, ev.ks, n_boot=ev.n_boot).items():
+            key = prefix + name.replace("@", "_at_")
+            m.update({key: e.value, f"{key}_lo": e.lo, f"{key}_hi": e.hi})
+        m[f"{prefix}sampled_format_valid"] = float(np.mean([r["samples_format_valid"] for r in with_samples]))
+        m[f"{prefix}sampled_prompts"] = float(len(with_samples))
+    return m
+
+
+@task(name="validate", **TASK, retries=1)
+def validate(ctx: RunContext, sets: dict[str, list[dict]], step: int, *, kv_scales: dict | None = None,
+             sampled: bool = False, num_samples_to_keep: int = 4) -> dict:
+    """Validation of the current policy weights (refit first) on each named set: near-greedy decoding (T=0.01,
+    fixed seeds) -> accuracy with a Wilson 95% CI; with ``sampled`` also ``ctx.eval.n`` samples per prompt at the
+    rollout temperature on the first ``ctx.eval.max_prompts`` prompts of the sets in ``ctx.eval.sets`` -> unbiased
+    pass@k / avg@k with bootstrap CIs.
+
+    Metrics ``val/<set>/...`` per set; the ``main`` set is also logged under the original names (``val/accuracy``,
+    ``val/format_valid``, ...). Returns ``{"metrics", "samples" (first main-set responses), "records": {set:
+    per-prompt dicts (id, question, answer, response, format_valid, correct[, samples_correct,
+    samples_format_valid])}}`` -- the flow writes the records to run_dir/val/<set>/step_XXXXXX.jsonl."""
+    t0 = time.perf_counter()
+    refit.fn(ctx, kv_scales)
+    ev = ctx.eval
+    sampled = sampled and ev.n > 0
+    metrics, records, t_sampled = {}, {}, 0.0
+    for name, rows in sets.items():
+        outs = _generate_rows(ctx, rows, n=1, temperature=VAL_TEMPERATURE, top_p=1.0, seed0=0)
+        texts = [o["samples"][0]["text"] for o in outs]
+        checks = [_verify(r, t) for t, r in zip(texts, rows, strict=True)]
+        faulty = _fault([c for _, c in checks], ev.fault_drop, ctx.seed * 7919 + step) if ev.fault_drop else set()
+        recs = [{"id": r.get("id", i), "question": r["question"], "answer": r["answer"], "response": t,
+                 "format_valid": bool(f), "correct": bool(c) and i not in faulty,
+                 "response_tokens": len(o["samples"][0]["token_ids"]), **({"fault": True} if i in faulty else {})}
+                for i, (r, t, (f, c), o) in enumerate(zip(rows, texts, checks, outs, strict=True))]
+        if sampled and name in ev.sets:
+            ts = time.perf_counter()
+            sub = rows[:ev.max_prompts]
+            souts = _generate_rows(ctx, sub, n=ev.n, temperature=ctx.gen.temperature, top_p=ctx.gen.top_p,
+                                   seed0=SAMPLED_SEED)
+            for rec, row, o in zip(recs, sub, souts, strict=False):
+                sc = [_verify(row, s["text"]) for s in o["samples"]]
+                rec["samples_correct"] = [bool(c) for _, c in sc]
+                rec["samples_format_valid"] = [bool(f) for f, _ in sc]
+            t_sampled += time.perf_counter() - ts
+        records[name] = recs
+        metrics.update(_set_metrics(f"val/{name}/", recs, ev, sampled=sampled))
+    if "main" in records:  # the original names, so existing consumers (plots, the regression, README) keep working
+        for key in ("accuracy", "accuracy_lo", "accuracy_hi", "format_valid", "response_length_mean"):
+            metrics[f"val/{key}"] = metrics[f"val/main/{key}"]
+        metrics["val/num_samples"] = metrics["val/main/num_prompts"]
+    metrics["time/validate_s"] = time.perf_counter() - t0
+    metrics["time/validate_sampled_s"] = t_sampled
+    log_metrics(ctx.tracking_uri, ctx.run_id, metrics, step)
+    first = records.get("main") or next(iter(records.values()), [])
+    samples = [{k: r[k] for k in ("question", "answer", "response", "correct")} for r in first[:num_samples_to_keep]]
+    return {"metrics": metrics, "samples": samples, "records": records}

@@ -86,12 +86,14 @@ def load_split(path: str, *, question_key: str = "question", answer_key: str = "
 
 
 def rows(ds, *, question_key: str, answer_key: str, indices, task: str | None = None) -> list[dict]:
-    """Rows as {'question', 'answer'} dicts (answers as strings) for the given indices; with ``task`` each row also
-    carries it (``data.task``: the verifier that scores its responses, workers/verifiers.py)."""
-    sub = ds.select([int(i) for i in indices])
+    """Rows as {'id', 'question', 'answer'} dicts (answers as strings; ``id`` = the row's index in the file, so
+    per-prompt results pair across runs) for the given indices; with ``task`` each row also carries it
+    (``data.task``: the verifier that scores its responses, workers/verifiers.py)."""
+    idx = [int(i) for i in indices]
+    sub = ds.select(idx)
     extra = {} if task is None else {"task": task}
-    return [{"question": str(q), "answer": str(a), **extra}
-            for q, a in zip(sub[question_key], sub[answer_key], strict=True)]
+    return [{"id": i, "question": str(q), "answer": str(a), **extra}
+            for i, q, a in zip(idx, sub[question_key], sub[answer_key], strict=True)]
 
 
 def step_indices(n_rows: int, *, step: int, num_prompts: int, seed: int, shuffle: bool = True) -> np.ndarray:

@@ -114,6 +114,14 @@ READERS = {
     "logger.mlflow.tracking_uri": ("tasks/tracking.py", "cfg.logger.mlflow.tracking_uri"),
     "logger.num_val_samples_to_print": ("flows/grpo.py", "cfg.logger.num_val_samples_to_print"),
     "logger.plot": ("flows/grpo.py", "cfg.logger.plot"),
+    "evaluation.sets": ("flows/grpo.py", "cfg.evaluation.sets"),  # fields: tests/workers/test_eval_sets.py
+    "evaluation.num_samples": ("tasks/context.py", "ev.num_samples"),
+    "evaluation.pass_k": ("tasks/context.py", "ev.pass_k"),
+    "evaluation.sampled_max_prompts": ("tasks/context.py", "ev.sampled_max_prompts"),
+    "evaluation.sampled_sets": ("tasks/context.py", "ev.sampled_sets"),
+    "evaluation.sampled_when": ("flows/grpo.py", "cfg.evaluation.sampled_when"),
+    "evaluation.bootstrap_samples": ("tasks/context.py", "ev.bootstrap_samples"),
+    "testing.fault_val_accuracy_drop": ("tasks/context.py", "cfg.testing.fault_val_accuracy_drop"),  # TEST-ONLY
     "ray.address": ("workers/cluster.py", "cfg.ray.address"),
     "ray.num_cpus": ("workers/cluster.py", "cfg.ray.num_cpus"),
     "ray.policy_worker.num_cpus": ("workers/cluster.py", "pw.num_cpus"),

@@ -58,9 +58,11 @@ def test_prompt_source_rows(tmp_path):
     kw = dict(question_key="problem", answer_key="expected_answer")
     src = PromptSource(load_split(str(jl), **kw), load_split(str(pq), **kw), seed=0, **kw)
     rows = src.train_rows(0, 4)
-    assert len(rows) == 4 and set(rows[0]) == {"question", "answer", "task"}
+    assert len(rows) == 4 and set(rows[0]) == {"id", "question", "answer", "task"}
     assert rows[0]["task"] == "arithmetic"  # the verifier that scores them (data.task); GSM8K-style files
+    assert all(r["question"] == ROWS[r["id"]]["problem"] for r in rows)  # id = the row's index in the file
     assert [r["answer"] for r in src.validation_rows(3)] == ["1", "2", "3"]
+    assert [r["id"] for r in src.validation_rows(3)] == [0, 1, 2]
     add = PromptSource(src.train, src.validation, seed=0, task="addition", **kw)
     assert {r["task"] for r in add.train_rows(0, 4) + add.validation_rows(3)} == {"addition"}
 
