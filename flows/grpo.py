@@ -80,7 +80,17 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     from tasks import rl
     from tasks.checkpoint import load_checkpoint, save_checkpoint
     from tasks.context import RunContext
-    from tasks.tracking import client, finish_run, log_metrics, log_text, set_tags, start_run, tracking_uri
+    from tasks.tracking import (
+        client,
+        finish_run,
+        log_metrics,
+        log_text,
+        set_tags,
+        start_run,
+        tracking_uri,
+        ui_hint,
+        ui_url,
+    )
     from workers.checkpoint import CheckpointStore
     from workers.cluster import apply_env, check_rollout_kv, init_ray, start_workers, stop_workers
     from workers.data import PromptSource
@@ -219,6 +229,10 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         summary.update(val_files=val_files, val_metrics=val_metrics, validate_s_total=val_s,
                        validate_share=val_s / summary["wall_s"] if summary["wall_s"] else None,
                        testing_fault_val_accuracy_drop=cfg.testing.fault_val_accuracy_drop)
+        if uri and run_id:  # the link opens MLflow's model-training view on this run's charts (tasks/tracking.py)
+            exp = client(uri).get_run(run_id).info.experiment_id
+            summary.update(mlflow_experiment_id=exp, mlflow_ui_url=ui_url(uri, exp, run_id),
+                           mlflow_ui_command=ui_hint(uri))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         if uri and run_id:
             if val_acc:
@@ -226,8 +240,6 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
                                           "summary/val_accuracy_end": summary["val_accuracy_end"] or 0.0},
                             cfg.grpo.max_num_steps)
             finish_run(uri, run_id, status=status, summary=summary, plot_keys=PLOT_KEYS if cfg.logger.plot else [])
-            exp = client(uri).get_run(run_id).info.experiment_id
-            summary["mlflow_experiment_id"] = exp
     _say(_final_lines(summary))
     return summary
 
@@ -277,12 +289,19 @@ def _val_lines(step: int, cfg: Config, m: dict, names: list[str]) -> str:
 
 
 def _final_lines(s: dict) -> str:
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
     lines = [f"done: {s['steps_run']} steps of {s['recipe']} ({s['precision']}) in {s['wall_s']:.0f}s; "
-             f"val accuracy {s['val_accuracy_start']} -> {s['val_accuracy_end']}; "
-             f"mean token-mult-prob-error {s['mean_token_mult_prob_error']}; mean step {s['mean_step_s']}s"]
+             f"val accuracy {f(s['val_accuracy_start'], '.3f')} -> {f(s['val_accuracy_end'], '.3f')}; "
+             f"mean token-mult-prob-error {f(s['mean_token_mult_prob_error'], '.4f')}; "
+             f"mean step {f(s['mean_step_s'], '.1f')}s; validation {f(s.get('validate_share'), '.0%')} of the wall time"]
     if s.get("mlflow_run_id"):
-        lines.append(f"MLflow run {s['mlflow_run_id']} (experiment {s.get('mlflow_experiment_id')}) at "
-                     f"{s['mlflow_tracking_uri']}  ->  mlflow ui --backend-store-uri {s['mlflow_tracking_uri']}")
+        lines.append(f"MLflow run {s['mlflow_run_id']} (experiment {s.get('mlflow_experiment_id')}, "
+                     f"{s['mlflow_tracking_uri']})")
+        if s.get("mlflow_ui_url"):
+            lines.append(f"MLflow charts: {s['mlflow_ui_url']}"
+                         + (f"  (start the UI: {s['mlflow_ui_command']})" if s.get("mlflow_ui_command") else ""))
     if s.get("checkpoint"):
         lines.append(f"checkpoint: {s['checkpoint']}")
     return "\n".join(lines)

@@ -1,16 +1,20 @@
 """Flow ``fp8-grpo-regression``: the nightly FP8-vs-BF16 regression.
 
-    python -m flows.regression [key=value ...]          # overrides applied to both recipes
+    python -m flows.regression [--seeds=0,1,2] [key=value ...]   # overrides applied to both recipes
     prefect deployment run fp8-grpo-regression/nightly-regression   (scheduled nightly, see prefect.yaml)
 
-Trains the BF16 recipe and the end-to-end FP8 recipe with the same seed and number of steps (checked before any
-training starts) as two ``fp8-grpo`` subflows whose MLflow runs become child runs of one parent run; then logs to the
-parent a comparison plot (validation accuracy, reward, token-mult-prob-error, throughput against step) and a verdict
-(tasks/regression.py: accuracy drop, FP8 mismatch, FP8/BF16 throughput ratio, each against a threshold parameter;
+Trains the BF16 recipe and the end-to-end FP8 recipe with the same seeds and number of steps (checked before any
+training starts): for each seed in ``seeds`` (default: tasks/regression.py ``DEFAULT_SEEDS``, the number the power
+calculation needs) one ``fp8-grpo`` subflow per recipe, whose MLflow runs become child runs of one parent run; then
+logs to the parent a comparison plot (validation accuracy, reward, token-mult-prob-error, throughput against step)
+and a verdict (tasks/regression.py: the paired accuracy drop over prompts x seeds x validation steps, against a
+threshold sized so that a real 5-point drop fails with >= 80% power; FP8 mismatch; FP8/BF16 throughput ratio;
 the throughput floor is per CPU kind -- ``min_throughput_ratio`` None = tasks/regression.py ``MIN_THROUGHPUT_RATIO``,
 a number = that floor on every kind, a ``{kind: floor}`` mapping = overrides -- and the verdict names the kind).
 The flow run fails (``RegressionFailed``) when the verdict fails; the parent run is then marked FAILED with tag
-``verdict=fail``.
+``verdict=fail``. ``fp8_overrides`` apply to the FP8 runs only (the tests degrade them with the TEST-ONLY
+``testing.fault_val_accuracy_drop``). The children validate the main set only (``CHILD_EVAL`` turns the extra
+evaluation sets and sampled pass@k off: the verdict does not read them; overrides can turn them back on).
 
 Tracking store: ``tracking_uri`` parameter, else $MLFLOW_TRACKING_URI (the stack's MLflow server), else a sqlite file
 under ``run_dir``.
@@ -39,9 +43,14 @@ class RegressionFailed(RuntimeError):
     """The FP8 run regressed against BF16 beyond a threshold (the message lists the failed checks)."""
 
 
-def _check_thresholds(max_accuracy_drop: float, max_token_mult_prob_error: float,
-                      min_throughput_ratio: float | dict[str, float] | None):
-    if not max_accuracy_drop >= 0:
+CHILD_EVAL = ["evaluation.num_samples=0", "evaluation.sets=[]"]
+
+
+def _check_thresholds(max_accuracy_drop: float | None, max_token_mult_prob_error: float,
+                      min_throughput_ratio: float | dict[str, float] | None, seeds: list[int] | None = None):
+    if seeds is not None and (not seeds or len(set(seeds)) != len(seeds)):
+        raise ValueError(f"seeds: need one or more distinct seeds, got {seeds}")
+    if max_accuracy_drop is not None and not max_accuracy_drop >= 0:
         raise ValueError(f"max_accuracy_drop: must be >= 0 (an accuracy difference), got {max_accuracy_drop}")
     if not max_token_mult_prob_error >= 1.0:
         raise ValueError("max_token_mult_prob_error: mean exp(|logp_train - logp_rollout|) is >= 1, so a threshold "
@@ -68,10 +77,11 @@ def _cpu_kind(summaries: dict) -> str:
     return fp8
 
 
-def _same_seed_and_steps(bf16_recipe: str, fp8_recipe: str, overrides: list[str]):
+def _same_seed_and_steps(bf16_recipe: str, fp8_recipe: str, overrides: list[str],
+                         fp8_overrides: list[str] | None = None):
     """Load both recipes (bad keys/types fail here with their dotted path) and require the same seed, steps and
     batch shape, so the comparison is like for like."""
-    b, f = load_config(bf16_recipe, overrides), load_config(fp8_recipe, overrides)
+    b, f = load_config(bf16_recipe, overrides), load_config(fp8_recipe, [*overrides, *(fp8_overrides or [])])
     for key in ("seed", "max_num_steps", "num_prompts_per_step", "num_generations_per_prompt"):
         vb, vf = getattr(b.grpo, key), getattr(f.grpo, key)
         if vb != vf:
@@ -84,27 +94,41 @@ def _same_seed_and_steps(bf16_recipe: str, fp8_recipe: str, overrides: list[str]
 
 @flow(name="fp8-grpo-regression", log_prints=False, validate_parameters=True)
 def regression(bf16_recipe: str = "configs/tiny_bf16.yaml", fp8_recipe: str = "configs/tiny_fp8_e2e.yaml",
-               overrides: list[str] | None = None, max_accuracy_drop: float = 0.05,
+               overrides: list[str] | None = None, max_accuracy_drop: float | None = None,
                max_token_mult_prob_error: float = 1.10,
                min_throughput_ratio: float | dict[str, float] | None = None,
                experiment_name: str = "fp8-grpo-regression", tracking_uri: str | None = None,
-               run_dir: str = "runs/regression") -> dict:
+               run_dir: str = "runs/regression", seeds: list[int] | None = None,
+               fp8_overrides: list[str] | None = None) -> dict:
     from flows.grpo import grpo
     from fp8core.cpu import cpu_caps
     from tasks.regression import (
+        DEFAULT_SEEDS,
+        accuracy_plan,
         comparison_plot,
         create_parent_run,
         link_child,
         log_verdict,
+        paired_drop,
         throughput_threshold,
         verdict,
         verdict_markdown,
     )
-    from tasks.tracking import client
+    from tasks.tracking import client, ui_url
 
-    overrides = list(overrides or [])
-    _check_thresholds(max_accuracy_drop, max_token_mult_prob_error, min_throughput_ratio)
-    cfg_b, cfg_f = _same_seed_and_steps(bf16_recipe, fp8_recipe, overrides)
+    overrides, fp8_overrides = list(overrides or []), list(fp8_overrides or [])
+    seeds = list(range(DEFAULT_SEEDS)) if seeds is None else [int(s) for s in seeds]
+    _check_thresholds(max_accuracy_drop, max_token_mult_prob_error, min_throughput_ratio, seeds)
+    cfg_b, cfg_f = _same_seed_and_steps(bf16_recipe, fp8_recipe, overrides, fp8_overrides)
+    plan = accuracy_plan(len(seeds))
+    if max_accuracy_drop is None:
+        max_accuracy_drop = plan["threshold"]
+    else:  # a caller's threshold: report its power and false-fail rate under the same noise model
+        from statistics import NormalDist
+
+        nd, se = NormalDist(), plan["se"]
+        plan.update(threshold=max_accuracy_drop, power=1 - nd.cdf((max_accuracy_drop - plan["effect"]) / se),
+                    false_fail=1 - nd.cdf(max_accuracy_drop / se))
     root = Path(run_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
@@ -113,6 +137,8 @@ def regression(bf16_recipe: str = "configs/tiny_bf16.yaml", fp8_recipe: str = "c
     parent = create_parent_run(
         uri, experiment_name, name,
         params={"bf16_recipe": bf16_recipe, "fp8_recipe": fp8_recipe, "overrides": " ".join(overrides),
+                "fp8_overrides": " ".join(fp8_overrides), "seeds": ",".join(map(str, seeds)),
+                "power_at_5_points": round(plan["power"], 4), "false_fail_rate": round(plan["false_fail"], 4),
                 "max_accuracy_drop": max_accuracy_drop, "max_token_mult_prob_error": max_token_mult_prob_error,
                 "min_throughput_ratio": "per CPU kind (tasks/regression.py MIN_THROUGHPUT_RATIO)"
                 if min_throughput_ratio is None else min_throughput_ratio,
@@ -120,26 +146,38 @@ def regression(bf16_recipe: str = "configs/tiny_bf16.yaml", fp8_recipe: str = "c
                 "grpo.max_num_steps": cfg_b.grpo.max_num_steps},
         tags={"kind": "regression", "bf16_recipe": cfg_b.recipe, "fp8_recipe": cfg_f.recipe,
               "precision": f"{cfg_b.precision_tag} vs {cfg_f.precision_tag}"})
-    print(f"regression: parent MLflow run {parent} ({name}) at {uri}", flush=True)
+    exp_id = client(uri).get_run(parent).info.experiment_id
+    print(f"regression: parent MLflow run {parent} ({name}) at {uri}: {ui_url(uri, exp_id, parent)}", flush=True)
+    print(f"regression: {len(seeds)} seeds {seeds}: fail when the paired accuracy drop BF16 - FP8 exceeds "
+          f"{max_accuracy_drop:.4f}; a real {plan['effect']:.2f} drop fails with probability {plan['power']:.0%}, a "
+          f"correct FP8 run fails {plan['false_fail']:.1%} of the time (noise SD per seed "
+          f"{plan['noise_sd_per_seed']}, tasks/regression.py)", flush=True)
     out_dir = root / f"{stamp}-{parent[:8]}"
-    summaries, children, status = {}, {}, "FAILED"
+    runs: dict[str, list[dict]] = {"bf16": [], "fp8": []}
+    children, status = {}, "FAILED"
     try:
-        for role, recipe in (("bf16", bf16_recipe), ("fp8", fp8_recipe)):
-            run_name = f"{name}-{role}"
-            child_overrides = [*overrides, f"run_dir={out_dir / role}", "checkpointing.resume=false",
-                               "logger.mlflow_enabled=true", f"logger.mlflow.experiment_name={experiment_name}",
-                               f"logger.mlflow.tracking_uri={uri}", f"logger.mlflow.run_name={run_name}"]
-            try:
-                summaries[role] = grpo(recipe, child_overrides)
-            finally:
-                run_id = link_child(uri, parent, experiment_name, run_name, role)
-                if run_id:
-                    children[role] = run_id
+        for seed in seeds:
+            for role, recipe in (("bf16", bf16_recipe), ("fp8", fp8_recipe)):
+                tag = role if len(seeds) == 1 else f"{role}-s{seed}"
+                run_name = f"{name}-{tag}"
+                child_overrides = [*CHILD_EVAL, *overrides, *(fp8_overrides if role == "fp8" else []),
+                                   f"grpo.seed={seed}", f"run_dir={out_dir / tag}", "checkpointing.resume=false",
+                                   "logger.mlflow_enabled=true", f"logger.mlflow.experiment_name={experiment_name}",
+                                   f"logger.mlflow.tracking_uri={uri}", f"logger.mlflow.run_name={run_name}"]
+                try:
+                    runs[role].append(grpo(recipe, child_overrides))
+                finally:
+                    run_id = link_child(uri, parent, experiment_name, run_name, role, seed)
+                    if run_id:
+                        children[tag] = run_id
         plot = comparison_plot(uri, parent, children, str(out_dir))
+        summaries = {role: _mean_summary(rs) for role, rs in runs.items()}
         kind = _cpu_kind(summaries)
+        paired = paired_drop(runs["bf16"], runs["fp8"])
         v = verdict(summaries["bf16"], summaries["fp8"], max_accuracy_drop=max_accuracy_drop,
                     max_token_mult_prob_error=max_token_mult_prob_error,
-                    min_throughput_ratio=throughput_threshold(kind, min_throughput_ratio), cpu_kind=kind)
+                    min_throughput_ratio=throughput_threshold(kind, min_throughput_ratio), cpu_kind=kind,
+                    paired=paired, plan=plan)
         md = verdict_markdown(v, parent_run_id=parent, children=children)
         (out_dir / "verdict.md").write_text(md)
         log_verdict(uri, parent, v, md, cfg_b.grpo.max_num_steps)
@@ -156,13 +194,28 @@ def regression(bf16_recipe: str = "configs/tiny_bf16.yaml", fp8_recipe: str = "c
     return result
 
 
+def _mean_summary(runs: list[dict]) -> dict:
+    """The runs' summaries averaged key by key over seeds (numbers only; the first run's CPU kind)."""
+    out: dict = {"cpu_kind": runs[0].get("cpu_kind", "unknown") if runs else "unknown"}
+    for key in ("val_accuracy_end", "mean_token_mult_prob_error", "mean_step_s", "mean_rollout_tokens_per_s",
+                "mean_train_tokens_per_s"):
+        vals = [r.get(key) for r in runs]
+        ok = [float(x) for x in vals if isinstance(x, (int, float)) and not isinstance(x, bool)]
+        out[key] = sum(ok) / len(ok) if ok and len(ok) == len(vals) else None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    seeds = None
+    for a in [a for a in argv if a.startswith("--seeds=")]:  # --seeds=0,1,2 (default: DEFAULT_SEEDS)
+        seeds = [int(x) for x in a.split("=", 1)[1].split(",") if x]
+        argv.remove(a)
     try:
-        regression(overrides=argv)
+        regression(overrides=argv, seeds=seeds)
     except RegressionFailed as e:
         print(str(e), file=sys.stderr)
         return 1

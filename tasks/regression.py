@@ -1,9 +1,14 @@
 """Tasks of the nightly FP8-vs-BF16 regression: the MLflow parent run, linking the two training runs to it as child
 runs, the comparison plot and the verdict.
 
-The verdict compares the end-to-end FP8 run with the BF16 run of the same seed and steps:
+The verdict compares the end-to-end FP8 runs with the BF16 runs of the same seeds and steps:
 
-- accuracy:   ``acc_bf16 - acc_fp8 <= max_accuracy_drop`` on the final validation accuracy (``val/accuracy``);
+- accuracy:   the *paired* drop ``BF16 - FP8`` of validation accuracy ``<= max_accuracy_drop``: per seed, each
+  validation prompt's correctness averaged over the validations after step 0 (steps val_period, 2 val_period, ...,
+  the last), FP8 minus BF16 on the same prompt id, averaged over prompts and seeds (``paired_drop``; 95% CI from
+  fp8core.stats.paired_bootstrap, prompts resampled within seed strata). The threshold comes from the power
+  calculation below unless the caller sets one. (Without per-prompt files, e.g. older summaries: the final
+  ``val/accuracy`` difference.)
 - mismatch:   mean ``mismatch/token_mult_prob_error`` of the FP8 run ``<= max_token_mult_prob_error``
   (mean_t exp(|logp_train - logp_rollout|), NeMo RL's multiplicative probability error; 1.0 = no mismatch);
 - throughput: ``(samples/s of FP8) / (samples/s of BF16) >= min_throughput_ratio``, samples/s of a whole RL step
@@ -24,7 +29,8 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.tracking import client
+from fp8core.stats import drop_test_plan, paired_bootstrap, seeds_needed
+from tasks.tracking import client, experiment_id
 
 TASK = dict(cache_policy=NO_CACHE, log_prints=False)
 PLOT_KEYS = ("val/accuracy", "reward/mean", "mismatch/token_mult_prob_error", "throughput/samples_per_s",
@@ -35,6 +41,82 @@ PLOT_KEYS = ("val/accuracy", "reward/mean", "mismatch/token_mult_prob_error", "t
 # value for every kind until each kind has a measured nightly history to set it from (README "CPU kinds").
 MIN_THROUGHPUT_RATIO: dict[str, float] = {"other": 0.2, "avx2": 0.2, "avx512": 0.2, "avx512_bf16": 0.2, "amx": 0.2,
                                           "gpu": 0.2}
+
+
+# -- the power calculation of the accuracy check ----------------------------------------------------------------------
+# What must hold: a real 5-point drop of FP8 against BF16 fails the verdict with >= 80% probability, and a correct
+# FP8 run (no real drop) fails it at most 5% of the time. The verdict's statistic D (mean paired drop over S seeds)
+# has standard error SE = NOISE_SD_PER_SEED / sqrt(S), where NOISE_SD_PER_SEED is the standard deviation of one seed's
+# paired drop between two *correct* runs (FP8 and BF16 end to end, same warm start, same prompts and sampling seeds).
+# The test fails when D > t. Power at a real drop d: 1 - Phi((t - d) / SE); false-fail rate: 1 - Phi(t / SE).
+# With t = d - z(0.80) SE the power is exactly 80%; the false-fail rate is 1 - Phi(d / SE - 0.8416) <= 5% iff
+# d / SE >= 0.8416 + 1.6449 = 2.487, i.e. S >= (2.487 NOISE_SD_PER_SEED / d)^2 (fp8core.stats.seeds_needed).
+#
+# NOISE_SD_PER_SEED was estimated from measured per-prompt validation files (README "The nightly regression"):
+# for each seed s, D_s = mean over 500 prompts of (BF16 - FP8) correctness averaged over the validations at steps 5,
+# 10, 15 of the tiny recipes; the sample SD of D_s over seeds (and, as a cross-check, the prompt-bootstrap SE of a
+# single D_s, the part of the noise that prompt-level disagreement alone explains).
+DETECT_DROP = 0.05
+DETECT_POWER = 0.80
+MAX_FALSE_FAIL = 0.05
+NOISE_SD_PER_SEED = 0.050
+DEFAULT_SEEDS = seeds_needed(sd_per_seed=NOISE_SD_PER_SEED, effect=DETECT_DROP, power=DETECT_POWER,
+                             false_fail=MAX_FALSE_FAIL)
+
+
+def accuracy_plan(num_seeds: int, *, noise_sd: float = NOISE_SD_PER_SEED) -> dict:
+    """The accuracy threshold for ``num_seeds`` paired seeds (80% power at a 5-point drop) and its false-fail rate."""
+    plan = drop_test_plan(se=noise_sd / math.sqrt(num_seeds), effect=DETECT_DROP, power=DETECT_POWER)
+    return {**plan.as_dict(), "seeds": num_seeds, "noise_sd_per_seed": noise_sd}
+
+
+def _val_steps(summary: Mapping, set_name: str) -> dict[int, str]:
+    files = (summary.get("val_files") or {}).get(set_name) or {}
+    return {int(k): v for k, v in files.items()}
+
+
+def _per_prompt(files: Mapping[int, str], steps: list[int]) -> dict:
+    """prompt id -> correctness averaged over ``steps`` (ids present at every step)."""
+    acc: dict = {}
+    for st in steps:
+        for line in Path(files[st]).read_text().splitlines():
+            r = json.loads(line)
+            acc.setdefault(r["id"], []).append(1.0 if r["correct"] else 0.0)
+    return {k: sum(v) / len(v) for k, v in acc.items() if len(v) == len(steps)}
+
+
+def paired_drop(bf16_runs: list[Mapping], fp8_runs: list[Mapping], *, set_name: str = "main", n_boot: int = 4000,
+                seed: int = 0) -> dict | None:
+    """The verdict's accuracy statistic from the runs' per-prompt validation files (``summary["val_files"]``), one
+    BF16 and one FP8 run per seed (same order): per seed, per prompt id, correctness averaged over the validation
+    steps after 0 that both runs have; drop = mean over prompts and seeds of BF16 - FP8, with a paired bootstrap 95%
+    CI (seeds as strata). None when a run has no per-prompt files."""
+    if len(bf16_runs) != len(fp8_runs) or not bf16_runs:
+        raise ValueError(f"paired_drop: {len(bf16_runs)} BF16 runs vs {len(fp8_runs)} FP8 runs (one pair per seed)")
+    a_rows, b_rows, per_seed, steps_used, ids = [], [], [], [], None
+    for b, f in zip(bf16_runs, fp8_runs, strict=True):
+        fb, ff = _val_steps(b, set_name), _val_steps(f, set_name)
+        steps = sorted(set(fb) & set(ff) - {0}) or sorted(set(fb) & set(ff))
+        if not steps:
+            return None
+        pb, pf = _per_prompt(fb, steps), _per_prompt(ff, steps)
+        common = sorted(set(pb) & set(pf), key=str)
+        ids = common if ids is None else [i for i in ids if i in set(common)]
+        a_rows.append(pb)
+        b_rows.append(pf)
+        steps_used.append(steps)
+    if not ids:
+        return None
+    a = [[r[i] for i in ids] for r in a_rows]
+    b = [[r[i] for i in ids] for r in b_rows]
+    diff = paired_bootstrap(b, a, n_boot=n_boot, seed=seed)  # mean of (BF16 - FP8): the drop
+    per_seed = [sum(x - y for x, y in zip(ra, rb, strict=True)) / len(ids) for ra, rb in zip(a, b, strict=True)]
+    one_seed_se = [(e.hi - e.lo) / (2 * 1.959964) for e in
+                   (paired_bootstrap(rb, ra, n_boot=n_boot, seed=seed) for ra, rb in zip(a, b, strict=True))]
+    return {"drop": diff.value, "drop_ci_lo": diff.lo, "drop_ci_hi": diff.hi, "per_seed_drop": per_seed,
+            "seed_sd": diff.seed_sd, "prompt_se_per_seed": one_seed_se, "prompts": len(ids), "seeds": len(a),
+            "steps": steps_used[0], "acc_bf16": sum(map(sum, a)) / (len(a) * len(ids)),
+            "acc_fp8": sum(map(sum, b)) / (len(b) * len(ids))}
 
 
 def throughput_threshold(cpu_kind: str, override: float | Mapping[str, float] | None = None) -> float:
@@ -51,11 +133,14 @@ def _num(x) -> float | None:
 
 
 def verdict(bf16: dict, fp8: dict, *, max_accuracy_drop: float, max_token_mult_prob_error: float,
-            min_throughput_ratio: float, cpu_kind: str = "unknown") -> dict:
+            min_throughput_ratio: float, cpu_kind: str = "unknown", paired: dict | None = None,
+            plan: dict | None = None) -> dict:
     """Checks of the FP8 run summary against the BF16 one (keys as returned by the ``fp8-grpo`` flow:
     ``val_accuracy_end``, ``mean_token_mult_prob_error``, ``mean_step_s``). A missing or non-finite value fails its
-    check. ``cpu_kind`` is the kind the runs trained on (the throughput floor is per kind). Returns
-    ``{"passed": bool, "cpu_kind": str, "checks": [{name, value, threshold, passed, rule}], "info": {...}}``."""
+    check. ``cpu_kind`` is the kind the runs trained on (the throughput floor is per kind). With ``paired``
+    (``paired_drop``'s result) the accuracy check uses the paired drop over prompts, seeds and validation steps;
+    ``plan`` (``accuracy_plan``) is reported beside it. Returns ``{"passed": bool, "cpu_kind": str, "checks":
+    [{name, value, threshold, passed, rule}], "info": {...}, "paired": ..., "plan": ...}``."""
     checks = []
 
     def add(name: str, value: float | None, threshold: float, ok, rule: str):
@@ -63,9 +148,14 @@ def verdict(bf16: dict, fp8: dict, *, max_accuracy_drop: float, max_token_mult_p
                        "passed": value is not None and bool(ok(value))})
 
     acc_b, acc_f = _num(bf16.get("val_accuracy_end")), _num(fp8.get("val_accuracy_end"))
-    drop = acc_b - acc_f if acc_b is not None and acc_f is not None else None
-    add("accuracy_drop", drop, max_accuracy_drop, lambda v: v <= max_accuracy_drop,
-        "val_accuracy(bf16) - val_accuracy(fp8) <= max_accuracy_drop")
+    if paired is not None:
+        add("accuracy_drop", _num(paired["drop"]), max_accuracy_drop, lambda v: v <= max_accuracy_drop,
+            f"paired drop BF16 - FP8 (per-prompt accuracy over {paired['prompts']} prompts x {paired['seeds']} "
+            f"seeds x validations at steps {paired['steps']}) <= max_accuracy_drop")
+    else:
+        drop = acc_b - acc_f if acc_b is not None and acc_f is not None else None
+        add("accuracy_drop", drop, max_accuracy_drop, lambda v: v <= max_accuracy_drop,
+            "val_accuracy(bf16) - val_accuracy(fp8) <= max_accuracy_drop")
     mm = _num(fp8.get("mean_token_mult_prob_error"))
     add("token_mult_prob_error", mm, max_token_mult_prob_error, lambda v: v <= max_token_mult_prob_error,
         "mean mismatch/token_mult_prob_error(fp8) <= max_token_mult_prob_error")
@@ -83,7 +173,14 @@ def verdict(bf16: dict, fp8: dict, *, max_accuracy_drop: float, max_token_mult_p
             "mean_step_s_bf16": s_b, "mean_step_s_fp8": s_f,
             "rollout_tokens_per_s_ratio": r("mean_rollout_tokens_per_s"),
             "train_tokens_per_s_ratio": r("mean_train_tokens_per_s")}
-    return {"passed": all(c["passed"] for c in checks), "cpu_kind": cpu_kind, "checks": checks, "info": info}
+    if paired is not None:
+        info.update(drop_ci_lo=paired["drop_ci_lo"], drop_ci_hi=paired["drop_ci_hi"], seed_sd=paired["seed_sd"],
+                    paired_acc_bf16=paired["acc_bf16"], paired_acc_fp8=paired["acc_fp8"])
+    if plan is not None:
+        info.update(power_at_5_points=plan["power"], false_fail_rate=plan["false_fail"],
+                    noise_sd_per_seed=plan["noise_sd_per_seed"])
+    return {"passed": all(c["passed"] for c in checks), "cpu_kind": cpu_kind, "checks": checks, "info": info,
+            "paired": paired, "plan": plan}
 
 
 def verdict_markdown(v: dict, *, parent_run_id: str, children: dict[str, str]) -> str:
@@ -96,6 +193,16 @@ def verdict_markdown(v: dict, *, parent_run_id: str, children: dict[str, str]) -
         lines.append(f"| {c['name']} | {val} | {c['threshold']} | {c['rule']} | {'pass' if c['passed'] else 'FAIL'} |")
     lines += ["", "| info | value |", "|---|---|"]
     lines += [f"| {k} | {'-' if x is None else f'{x:.4f}'} |" for k, x in v["info"].items()]
+    p, plan = v.get("paired"), v.get("plan")
+    if p:
+        lines += ["", f"Paired drop BF16 - FP8: {p['drop']:+.4f} (95% CI [{p['drop_ci_lo']:+.4f}, {p['drop_ci_hi']:+.4f}]; "
+                  f"{p['prompts']} prompts x {p['seeds']} seeds, validations at steps {p['steps']}); per seed: "
+                  + ", ".join(f"{d:+.4f}" for d in p["per_seed_drop"])]
+    if plan:
+        lines += ["", f"Power: threshold {plan['threshold']:.4f} with {plan['seeds']} seeds (SE {plan['se']:.4f} = "
+                  f"noise SD per seed {plan['noise_sd_per_seed']} / sqrt(seeds)): a real {plan['effect']:.2f} drop "
+                  f"fails with probability {plan['power']:.0%}, a correct FP8 run fails {plan['false_fail']:.1%} of "
+                  "the time (tasks/regression.py)."]
     return "\n".join(lines)
 
 
@@ -104,16 +211,15 @@ def create_parent_run(uri: str, experiment_name: str, run_name: str, params: dic
     from mlflow.entities import Param, RunTag
 
     c = client(uri)
-    exp = c.get_experiment_by_name(experiment_name)
-    exp_id = exp.experiment_id if exp else c.create_experiment(experiment_name)
-    run = c.create_run(exp_id, run_name=run_name, tags=tags)
+    run = c.create_run(experiment_id(c, experiment_name), run_name=run_name, tags=tags)
     c.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())],
                 tags=[RunTag("mlflow.note.content", "Nightly FP8-vs-BF16 regression (parent of the two training runs)")])
     return run.info.run_id
 
 
 @task(name="mlflow-link-child", **TASK, retries=2, retry_delay_seconds=1)
-def link_child(uri: str, parent_run_id: str, experiment_name: str, run_name: str, role: str) -> str | None:
+def link_child(uri: str, parent_run_id: str, experiment_name: str, run_name: str, role: str,
+               seed: int | None = None) -> str | None:
     """Make the training run named ``run_name`` a child of the parent (MLflow's ``mlflow.parentRunId`` tag, which
     the UI nests by). Found by name, so a training run that failed half-way is linked too. Returns its run id."""
     c = client(uri)
@@ -126,6 +232,8 @@ def link_child(uri: str, parent_run_id: str, experiment_name: str, run_name: str
     run_id = runs[0].info.run_id
     c.set_tag(run_id, "mlflow.parentRunId", parent_run_id)
     c.set_tag(run_id, "regression.role", role)
+    if seed is not None:
+        c.set_tag(run_id, "regression.seed", str(seed))
     return run_id
 
 
@@ -170,7 +278,8 @@ def log_verdict(uri: str, parent_run_id: str, v: dict, markdown: str, step: int)
     now = int(time.time() * 1000)
     metrics = [Metric(f"regression/{ch['name']}", ch["value"], now, step) for ch in v["checks"]
                if ch["value"] is not None]
-    metrics += [Metric(f"regression/{k}", x, now, step) for k, x in v["info"].items() if x is not None]
+    metrics += [Metric(f"regression/{k}", x, now, step) for k, x in v["info"].items()
+                if x is not None and math.isfinite(x)]
     metrics.append(Metric("regression/passed", float(v["passed"]), now, step))
     c.log_batch(parent_run_id, metrics=metrics)
     c.set_tag(parent_run_id, "verdict", "pass" if v["passed"] else "fail")

@@ -22,6 +22,47 @@ def tracking_uri(cfg, run_dir: Path) -> str:
         f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
 
 
+# MLflow 3.17's UI opens either its GenAI view ("Evaluation runs", the default) or its model-training view. It takes
+# the choice from the URL's ``workflowType`` parameter before the one stored in the browser (mlflow/server/js build,
+# main.*.js: ``e.get("workflowType")`` is used when it is "genai" or "machine_learning", else the local-storage key
+# "mlflow.workflowType"), and the experiment page reads the experiment tag ``mlflow.experimentKind``. Every link we
+# print carries the parameter, and experiments we create carry the tag, so they open on training runs and charts.
+UI_QUERY = "workflowType=machine_learning"
+EXPERIMENT_KIND_TAG = ("mlflow.experimentKind", "custom_model_development")
+LOCAL_UI = "http://127.0.0.1:5000"
+
+
+def ui_base(uri: str | None) -> str | None:
+    """The UI address for a tracking URI: the server itself for http(s), else where ``mlflow ui`` serves by default."""
+    if not uri:
+        return None
+    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
+
+
+def ui_url(uri: str | None, experiment_id: str | None, run_id: str | None = None) -> str | None:
+    """A link that opens a run's metric charts (or an experiment's runs) in the model-training view."""
+    base = ui_base(uri)
+    if base is None or experiment_id is None:
+        return None
+    path = f"/#/experiments/{experiment_id}/runs" + (f"/{run_id}/model-metrics" if run_id else "")
+    return f"{base}{path}?{UI_QUERY}"
+
+
+def ui_hint(uri: str | None) -> str:
+    """How to get the UI up for a local store (empty for a server URI)."""
+    if not uri or uri.startswith(("http://", "https://")):
+        return ""
+    return f".venv/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri {uri}"
+
+
+def experiment_id(c, name: str) -> str:
+    """The id of experiment ``name``, created (tagged as a model-training experiment) when missing."""
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    return c.create_experiment(name, tags=dict([EXPERIMENT_KIND_TAG]))
+
+
 def client(uri: str):
     from mlflow.tracking import MlflowClient
 
@@ -38,8 +79,7 @@ def start_run(cfg, uri: str, *, run_id: str | None = None, extra_params: Mapping
         c.update_run(run_id, status="RUNNING")
         return run_id
     name = cfg.logger.mlflow.experiment_name
-    exp = c.get_experiment_by_name(name)
-    exp_id = exp.experiment_id if exp else c.create_experiment(name)
+    exp_id = experiment_id(c, name)
     run = c.create_run(exp_id, run_name=cfg.logger.mlflow.run_name or f"{cfg.recipe}",
                        tags={"recipe": cfg.recipe, "precision": cfg.precision_tag,
                              "fp8_recipe": cfg.policy.megatron_cfg.fp8_cfg.fp8_recipe
@@ -49,8 +89,19 @@ def start_run(cfg, uri: str, *, run_id: str | None = None, extra_params: Mapping
     params = [Param(k, str(v)[:6000]) for k, v in sorted(flat.items()) if not _SECRET.search(k)]
     for i in range(0, len(params), 100):
         c.log_batch(run.info.run_id, params=params[i:i + 100])
-    c.log_batch(run.info.run_id, tags=[RunTag("mlflow.note.content", f"fp8-grpo recipe {cfg.recipe}")])
+    c.log_batch(run.info.run_id, tags=[RunTag("mlflow.note.content", RUN_NOTE.format(recipe=cfg.recipe))])
     return run.info.run_id
+
+
+RUN_NOTE = """fp8-grpo recipe {recipe}
+
+Where to look (Model metrics tab; type a prefix in its search box):
+- **val/accuracy**: greedy validation accuracy of the main set (`val/accuracy_lo` / `_hi`: Wilson 95% CI);
+  `val/<set>/accuracy` per evaluation set, `val/main/pass_at_k` / `avg_at_k` where sampled
+- **throughput/** rollout and train tokens/s; **time/step_s** and the `time/share_*` split
+- **mismatch/token_mult_prob_error**: train/inference mismatch (1.0 = none); `is/*`, `clip/*`
+- Artifacts: `curves.png` (the main curves), `summary.json`, `val/<set>/step_XXXXXX.jsonl` (per-prompt results)
+"""
 
 
 def log_metrics(uri: str | None, run_id: str | None, metrics: Mapping[str, float], step: int) -> None:

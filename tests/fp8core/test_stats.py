@@ -152,3 +152,15 @@ def test_estimate_formatting():
     e = Estimate(0.412, 0.369, 0.456, 500)
     assert e.fmt() == "0.412 [0.369, 0.456]"
     assert e.as_dict()["n"] == 500
+
+
+def test_drop_test_plan_and_seeds_needed_hand_worked():
+    from fp8core.stats import drop_test_plan, seeds_needed
+
+    p = drop_test_plan(se=0.02, effect=0.05)  # t = 0.05 - 0.8416 * 0.02; false fail = 1 - Phi(t / 0.02)
+    assert p.threshold == pytest.approx(0.05 - 0.841621 * 0.02, abs=1e-6)
+    assert p.power == 0.8 and p.false_fail == pytest.approx(0.0486, abs=5e-4)
+    assert seeds_needed(sd_per_seed=0.05, effect=0.05) == 7  # (2.4865)^2 = 6.18
+    assert seeds_needed(sd_per_seed=0.02, effect=0.05) == 1
+    with pytest.raises(ValueError):
+        drop_test_plan(se=0.0, effect=0.05)

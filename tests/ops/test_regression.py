@@ -123,7 +123,8 @@ def test_nightly_deployment_parent_children_plot_verdict(stack, tmp_path):
     tag = uuid.uuid4().hex[:8]
     experiment = f"ops-regression-{tag}"
     params = {"overrides": TINY, "experiment_name": experiment, "run_dir": str(tmp_path / "regression"),
-              "max_token_mult_prob_error": 1.0}  # exp(|d|) >= 1 with equality only without any mismatch: must fail
+              "max_token_mult_prob_error": 1.0,  # exp(|d|) >= 1 with equality only without any mismatch: must fail
+              "seeds": [0]}  # one seed pair keeps the deployment test short (the nightly default is DEFAULT_SEEDS)
     flow_run_name = f"ops-regression-{tag}"
     r = run_logged([PREFECT, "deployment", "run",
                     "fp8-grpo-regression/nightly-regression", "--params", json.dumps(params),
@@ -171,3 +172,83 @@ def test_nightly_deployment_parent_children_plot_verdict(stack, tmp_path):
     # the runs trained on this machine: the verdict states its kind and used that kind's floor
     assert v["cpu_kind"] == cpu_caps().kind == parent.data.tags["cpu_kind"]
     assert checks["throughput_ratio"]["threshold"] == MIN_THROUGHPUT_RATIO[cpu_caps().kind]
+
+
+# -- the paired, powered accuracy check (fast: synthetic per-prompt data) ---------------------------------------------
+
+
+def _write_run(tmp_path, name, correct_by_step):
+    """A run summary whose per-prompt validation files hold ``correct_by_step`` ({step: [0/1 per prompt id]})."""
+    files = {}
+    for step, correct in correct_by_step.items():
+        p = tmp_path / name / f"step_{step:06d}.jsonl"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("".join(json.dumps({"id": i, "correct": bool(c)}) + "\n" for i, c in enumerate(correct)))
+        files[str(step)] = str(p)  # summary.json keys are strings
+    return {"val_files": {"main": files}}
+
+
+def test_paired_drop_hand_worked(tmp_path):
+    from tasks.regression import paired_drop
+
+    # seed 0: BF16 right on prompts 0-3 at steps 5 and 10; FP8 loses prompt 3 at step 10 -> per-prompt drop
+    # [0, 0, 0, 0.5, 0] -> 0.1; seed 1: FP8 loses prompt 0 at both steps -> 0.2. Step 0 is ignored.
+    b0 = _write_run(tmp_path, "b0", {0: [0] * 5, 5: [1, 1, 1, 1, 0], 10: [1, 1, 1, 1, 0]})
+    f0 = _write_run(tmp_path, "f0", {0: [1] * 5, 5: [1, 1, 1, 1, 0], 10: [1, 1, 1, 0, 0]})
+    b1 = _write_run(tmp_path, "b1", {0: [0] * 5, 5: [1, 0, 0, 0, 0], 10: [1, 0, 0, 0, 0]})
+    f1 = _write_run(tmp_path, "f1", {0: [0] * 5, 5: [0, 0, 0, 0, 0], 10: [0, 0, 0, 0, 0]})
+    p = paired_drop([b0, b1], [f0, f1], n_boot=2000)
+    assert p["steps"] == [5, 10] and p["prompts"] == 5 and p["seeds"] == 2
+    assert p["per_seed_drop"] == pytest.approx([0.1, 0.2]) and p["drop"] == pytest.approx(0.15)
+    assert p["drop_ci_lo"] <= 0.15 <= p["drop_ci_hi"] and p["seed_sd"] == pytest.approx(0.0707, abs=1e-3)
+    assert paired_drop([b0], [{"val_files": {}}]) is None  # a run without per-prompt files: no paired statistic
+    v = verdict(BF16, FP8, **{**LENIENT, "max_accuracy_drop": 0.12}, paired=p)
+    assert not v["passed"] and _by_name(v)["accuracy_drop"]["value"] == pytest.approx(0.15)
+    assert "paired drop" in _by_name(v)["accuracy_drop"]["rule"]
+
+
+def test_accuracy_plan_numbers():
+    from fp8core.stats import seeds_needed
+    from tasks.regression import DEFAULT_SEEDS, DETECT_DROP, NOISE_SD_PER_SEED, accuracy_plan
+
+    plan = accuracy_plan(DEFAULT_SEEDS)
+    assert plan["power"] == pytest.approx(0.8) and plan["false_fail"] <= 0.05
+    assert plan["threshold"] == pytest.approx(DETECT_DROP - 0.841621 * NOISE_SD_PER_SEED / DEFAULT_SEEDS ** 0.5)
+    assert accuracy_plan(DEFAULT_SEEDS - 1)["false_fail"] > 0.05 or DEFAULT_SEEDS == 1  # the fewest seeds that do
+    assert seeds_needed(sd_per_seed=0.05, effect=0.05) == 7  # (0.05 * (0.8416 + 1.6449) / 0.05)^2 = 6.18 -> 7
+
+
+def _simulate(rng, *, seeds, prompts, drop, run_sd, steps=3):
+    """Per-prompt correctness (averaged over ``steps`` validations) of BF16 and FP8 runs per seed: shared prompt
+    difficulty, a per-run random effect (the run-to-run noise), FP8 worse by ``drop`` in success probability."""
+    import numpy as np
+
+    base = 1 / (1 + np.exp(-rng.normal(-0.3, 1.5, prompts)))
+    a, b = [], []
+    for _ in range(seeds):
+        pa = np.clip(base + rng.normal(0, run_sd), 0, 1)
+        pb = np.clip(base + rng.normal(0, run_sd) - drop, 0, 1)
+        a.append((rng.random((steps, prompts)) < pa).mean(0))
+        b.append((rng.random((steps, prompts)) < pb).mean(0))
+    return np.array(a), np.array(b)
+
+
+def test_powered_threshold_fails_a_5_point_drop_and_passes_noise():
+    """Synthetic runs with a known effect, their per-seed noise SD measured the way the README measures it: the
+    threshold from the power calculation fails ~80% of 5-point drops and ~<= 5% of correct runs."""
+    import numpy as np
+
+    from fp8core.stats import drop_test_plan, seeds_needed
+
+    rng = np.random.default_rng(0)
+    sd = np.std([(a - b).mean() for a, b in (_simulate(rng, seeds=1, prompts=500, drop=0.0, run_sd=0.03)
+                                             for _ in range(300))], ddof=1)  # the noise of one seed's drop
+    seeds = seeds_needed(sd_per_seed=sd, effect=0.05)
+    plan = drop_test_plan(se=sd / np.sqrt(seeds), effect=0.05)
+    fails = {}
+    for drop in (0.0, 0.05):
+        stats = [(a - b).mean() for a, b in (_simulate(rng, seeds=seeds, prompts=500, drop=drop, run_sd=0.03)
+                                             for _ in range(300))]
+        fails[drop] = float(np.mean(np.array(stats) > plan.threshold))
+    assert fails[0.05] >= 0.72, fails  # 80% power (Monte Carlo slack)
+    assert fails[0.0] <= 0.09, fails  # <= 5% false fails (slack)
