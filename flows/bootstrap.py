@@ -9,6 +9,8 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+import workers.quiet  # noqa: F401  third-party start-up noise off before transformers loads (workers/quiet.py)
+
 
 @task(name="ensure-default-assets", cache_policy=NO_CACHE)
 def ensure_assets(assets_dir: str, sft_steps: int | None, seed: int, data_task: str) -> dict[str, str]:

@@ -40,6 +40,7 @@ if __name__ == "__main__":
 
 from prefect import flow  # noqa: E402
 
+import workers.quiet  # noqa: E402,F401  third-party start-up noise off before transformers / torchao / MLflow load
 from configs.schema import EMBEDDED, Config, load_config, to_yaml  # noqa: E402
 
 PLOT_KEYS = ["reward/mean", "val/accuracy", "mismatch/token_mult_prob_error", "policy/entropy", "time/step_s",
