@@ -238,7 +238,9 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         if uri and run_id:
             if val_acc:
                 log_metrics(uri, run_id, {"summary/val_accuracy_start": summary["val_accuracy_start"] or 0.0,
-                                          "summary/val_accuracy_end": summary["val_accuracy_end"] or 0.0},
+                                          "summary/val_accuracy_end": summary["val_accuracy_end"] or 0.0,
+                                          "summary/validate_s": summary["validate_s_total"],
+                                          "summary/validate_share": summary["validate_share"] or 0.0},
                             cfg.grpo.max_num_steps)
             finish_run(uri, run_id, status=status, summary=summary, plot_keys=PLOT_KEYS if cfg.logger.plot else [])
     _say(_final_lines(summary))

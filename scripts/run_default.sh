@@ -65,9 +65,8 @@ if s.get("checkpoint"):
     print(f"  checkpoint   {s['checkpoint']}")
 if uri:
     print(f"  MLflow run   {s['mlflow_run_id']} (experiment \"fp8-grpo\" unless logger.mlflow.experiment_name says otherwise)")
-    if uri.startswith("sqlite:"):
-        print(f"  MLflow UI    .venv/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri {uri}"
-              "   then open http://127.0.0.1:5000")
-    else:
-        print(f"  MLflow UI    {uri}")
+    if s.get("mlflow_ui_command"):
+        print(f"  MLflow UI    {s['mlflow_ui_command']}")
+    if s.get("mlflow_ui_url"):  # opens the model-training view on this run's charts (val/accuracy, throughput, mismatch)
+        print(f"  MLflow charts {s['mlflow_ui_url']}")
 PY
