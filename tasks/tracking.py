@@ -56,11 +56,14 @@ def ui_hint(uri: str | None) -> str:
 
 
 def experiment_id(c, name: str) -> str:
-    """The id of experiment ``name``, created (tagged as a model-training experiment) when missing."""
+    """The id of experiment ``name``, created when missing; tagged as a model-training experiment unless it already
+    has an ``mlflow.experimentKind``."""
     exp = c.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    return c.create_experiment(name, tags=dict([EXPERIMENT_KIND_TAG]))
+    if exp is None:
+        return c.create_experiment(name, tags=dict([EXPERIMENT_KIND_TAG]))
+    if EXPERIMENT_KIND_TAG[0] not in exp.tags:  # an older experiment of ours: tag it once (never overwrite a choice)
+        c.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND_TAG)
+    return exp.experiment_id
 
 
 def client(uri: str):
