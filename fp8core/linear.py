@@ -75,6 +75,7 @@ __all__ = [
     "WeightCache",
     "fp8_linear",
     "fp8_linear_forward",
+    "fp8_linear_forward_emulated",
     "fp8_mm",
     "resolve_backend",
     "weight_granularity",
@@ -241,14 +242,32 @@ def fp8_linear_forward(x: torch.Tensor, weight_q: QuantizedTensor, bias: torch.T
         raise ValueError(f"fp8_linear_forward: x of shape {tuple(x.shape)} does not match weight_q of shape "
                          f"{tuple(weight_q.shape)} (need x[..., K] and weight [N, K])")
     k, n = weight_q.data.shape[1], weight_q.data.shape[0]
-    x2 = x.reshape(-1, k)
     if resolve_backend(backend, x.device) == "emulated":
-        # dequantize(quantize(x)) in one pass (bit for bit), then the same FP32 GEMM fp8_mm runs
-        x_dq = quantize_dequantize(x2, ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)[0]
-        y = x_dq @ (dequantize(weight_q) if weight_dq is None else weight_dq).t()
-    else:
-        x_q = quantize(x2, ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
-        y = fp8_mm(x_q, weight_q, backend="scaled_mm")
+        return fp8_linear_forward_emulated(x, dequantize(weight_q) if weight_dq is None else weight_dq, bias,
+                                           recipe=recipe, pow2_activation=pow2_activation)
+    x_q = quantize(x.reshape(-1, k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
+    y = fp8_mm(x_q, weight_q, backend="scaled_mm")
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def fp8_linear_forward_emulated(x: torch.Tensor, weight_dq: torch.Tensor, bias: torch.Tensor | None = None, *,
+                                recipe: str = "blockwise", pow2_activation: bool = False) -> torch.Tensor:
+    """The emulation of :func:`fp8_linear_forward` given the dequantized weight ``weight_dq`` [N, K] (FP32 values
+    of an FP8 weight): ``dequantize(quantize(x)) @ weight_dq.T`` in FP32, + bias in FP32, in x's dtype.
+
+    The activation's quantization does not depend on the weight, so a serving engine whose fused layer holds several
+    FP8 weights side by side (q/k/v, gate/up: each quantized on its own) passes them concatenated along N and
+    quantizes the activation once: each output column is the same dot product as with the weights one by one."""
+    _check_choice(recipe, RECIPES, "recipe")
+    k, n = weight_dq.shape[1], weight_dq.shape[0]
+    if x.shape[-1] != k:
+        raise ValueError(f"fp8_linear_forward_emulated: x of shape {tuple(x.shape)} does not match weight_dq of "
+                         f"shape {tuple(weight_dq.shape)}")
+    # dequantize(quantize(x)) in one pass (bit for bit), then the same FP32 GEMM fp8_mm runs
+    x_dq = quantize_dequantize(x.reshape(-1, k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)[0]
+    y = x_dq @ weight_dq.t()
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -464,6 +464,11 @@ def quantize_dequantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3",
     if x2 is None:
         q = quantize_reference(x, granularity, fmt=fmt, pow2=pow2)
         return dequantize(q), (q if keep_data else None)
+    if not keep_data and granularity in ("group128", "rowwise"):
+        fused = _fused(x2, group=GROUP if granularity == "group128" else x2.shape[1], columns=False, fmt=fmt,
+                       pow2=pow2)
+        if fused is not None:
+            return fused.reshape(x.shape), None
     with _SingleThread():
         data, scale, dq = _quantize_2d(x2, granularity, fmt, pow2, want_data=keep_data, want_dq=True)
     q = QuantizedTensor(data.reshape(x.shape), scale.reshape(scale_shape), granularity, fmt) if keep_data else None
@@ -484,8 +489,25 @@ def quantize_dequantize_columns(x: torch.Tensor, granularity: str, *, fmt: str =
     x = x.detach()
     if granularity == "tensorwise" or x.numel() == 0:  # elementwise with one scale: transposing commutes
         return quantize_dequantize(x, granularity, fmt=fmt, pow2=pow2)[0]
+    fused = _fused(x, group=GROUP if granularity == "group128" else x.shape[0], columns=True, fmt=fmt, pow2=pow2)
+    if fused is not None:
+        return fused
     with _SingleThread():
         return _columns(x, granularity, fmt, pow2)
+
+
+def _fused(x2: torch.Tensor, *, group: int, columns: bool, fmt: str, pow2: bool) -> torch.Tensor | None:
+    """The fused C++ kernel's result (fp8core.kernels: one pass per group, bit-identical to the chunked torch
+    path below), or None where it is not in use."""
+    from fp8core import kernels
+
+    res = kernels.qdq(x2, group=group, columns=columns, fmt=fmt, pow2=pow2)
+    if res is None:
+        return None
+    out, amax = res
+    if amax.numel() and not math.isfinite(float(amax.max())):  # amax >= 0; nan/inf patterns compare above finite
+        raise ValueError(_NON_FINITE)
+    return out
 
 
 def _columns(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> torch.Tensor:

@@ -66,7 +66,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from fp8core.convert import fp8_layer_indices
-from fp8core.linear import RECIPES, fp8_linear_forward, resolve_backend, weight_granularity
+from fp8core.linear import RECIPES, fp8_linear_forward, fp8_linear_forward_emulated, resolve_backend, weight_granularity
 from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
 from workers.vllm_bf16 import stage_fp32_weight
 
@@ -246,7 +246,10 @@ class Fp8CoreLinearMethod(LinearMethodBase):
         """The emulation's FP32 weights (``dequantize`` of each partition) computed once per load/refit instead of
         on every forward; same values, so outputs stay bit-identical. Not kept where the GEMM runs on FP8 data."""
         emulated = resolve_backend("auto", layer.weight.device) == "emulated"
-        layer.fp8core_weight_dq = [dequantize(q) for q in self.partitions(layer)] if emulated else None
+        # one [N_total, K] FP32 tensor: the partitions' dequantized weights side by side, so apply() quantizes the
+        # activation once and runs one GEMM for q/k/v (gate/up) instead of one per partition
+        layer.fp8core_weight_dq = (torch.cat([dequantize(q) for q in self.partitions(layer)], 0) if emulated
+                                   else None)
 
     def partitions(self, layer: torch.nn.Module) -> list[QuantizedTensor]:
         """The layer's FP8 weight as one QuantizedTensor per logical partition (views, no copies)."""
@@ -259,13 +262,15 @@ class Fp8CoreLinearMethod(LinearMethodBase):
         return out
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        parts = self.partitions(layer)
-        dq = getattr(layer, "fp8core_weight_dq", None) or [None] * len(parts)
+        w_dq = getattr(layer, "fp8core_weight_dq", None)
+        if w_dq is not None:  # the emulation: every partition in one GEMM (same columns, bit for bit)
+            return fp8_linear_forward_emulated(x, w_dq, bias, recipe=self.config.recipe,
+                                               pow2_activation=self.config.pow2_activation)
         ys, row = [], 0
-        for wq, w_dq in zip(parts, dq, strict=True):
+        for wq in self.partitions(layer):
             n = wq.data.shape[0]
             b = None if bias is None else bias[row:row + n]
             ys.append(fp8_linear_forward(x, wq, b, recipe=self.config.recipe,
-                                         pow2_activation=self.config.pow2_activation, weight_dq=w_dq))
+                                         pow2_activation=self.config.pow2_activation))
             row += n
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
