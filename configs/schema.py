@@ -290,6 +290,8 @@ class WorkerResources:
 class RayCfg:
     address: str | None = None  # None: start a local Ray on 127.0.0.1 with its temp dir under run_dir
     num_cpus: int | None = None
+    # Ray token file (mode 0600) for ray.address clusters; None: RAY_AUTH_TOKEN_PATH, or a new one per local Ray
+    auth_token_path: str | None = None
     policy_worker: WorkerResources = field(default_factory=WorkerResources)
     rollout_worker: WorkerResources = field(default_factory=WorkerResources)
 

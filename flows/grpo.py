@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -93,15 +94,19 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         ui_url,
     )
     from workers.checkpoint import CheckpointStore
-    from workers.cluster import apply_env, check_rollout_kv, init_ray, start_workers, stop_workers
+    from workers.cluster import apply_env, check_rollout_kv, init_ray, ray_auth, start_workers, stop_workers
     from workers.data import PromptSource
     from workers.eval_sets import check_eval_paths, load_eval_sets
+    from workers.watchdog import start_watchdog
+
+    start_watchdog()  # after this process ends (even by kill -9), whatever it started is ended too
 
     t_start = time.perf_counter()
     cfg = load_config(config_path, list(overrides or []))
     run_dir, ck_uri = resolve_paths(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     apply_env(run_dir)
+    auth = ray_auth(cfg, run_dir)  # Ray token auth (a bad ray.auth_token_path fails here, before any work)
     (run_dir / "config.resolved.yaml").write_text(to_yaml(cfg))
     _say(f"fp8-grpo: recipe {cfg.recipe} ({cfg.precision_tag}), run dir {run_dir}")
     check_eval_paths(cfg)  # a local evaluation-set file that is missing fails before the assets are built
@@ -154,7 +159,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     val_files: dict[str, dict[int, str]] = {}  # set -> step -> run_dir/val/<set>/step_XXXXXX.jsonl
     last_ck, history = None, []
     try:
-        started_ray = init_ray(cfg, run_dir)
+        started_ray = init_ray(cfg, run_dir, auth)
         t0 = time.perf_counter()
         workers = start_workers(cfg, Path(model_dir), run_dir, tag=uuid.uuid4().hex[:8])
         info = ray.get(workers.policy.info.remote())
@@ -218,9 +223,14 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
                 else:
                     last_ck = save_checkpoint(ctx, step)
         status = "FINISHED"
+    except BaseException as e:  # SIGTERM (Prefect's TerminationSignal), Ctrl-C, a cancel: fast cleanup, run KILLED
+        if not isinstance(e, Exception):
+            status = "KILLED"
+            _say(f"fp8-grpo: {type(e).__name__}: stopping the workers and Ray")
+        raise
     finally:
         try:
-            stop_workers(workers)
+            stop_workers(workers, graceful=status == "FINISHED")
         finally:
             if started_ray:
                 ray.shutdown()
@@ -323,14 +333,25 @@ def main(argv: list[str] | None = None) -> int:
         from workers.eval_sets import check_eval_paths
 
         check_eval_paths(cfg)  # evaluation.sets[i].path: a local file that does not exist
+        if cfg.ray.address or cfg.ray.auth_token_path:  # the cluster's token file too (no side effects here)
+            from workers.cluster import ray_auth
+
+            ray_auth(cfg, Path(cfg.run_dir))
         # A fresh process: the driver (bootstrap SFT, data) follows FP8GRPO_CPU_CAP too. The flow function itself
         # does not patch its process (it may be a long-lived one); the actors always apply the cap themselves.
         apply_cpu_cap()
     except (ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    # SIGTERM -> SystemExit: the flow's cleanup runs (Prefect turns the signal into TerminationSignal inside the
+    # flow, then re-sends it to this handler), atexit handlers run (Prefect's temporary server is stopped)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     grpo(argv[0], argv[1:])
     return 0
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

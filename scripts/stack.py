@@ -13,6 +13,10 @@ the environment already sets them. ``stop`` ends exactly the recorded processes 
 so a reused PID is never signalled) and their descendants: SIGTERM to the process group, a second SIGTERM for the
 worker (Prefect's worker ignores the first one), then SIGKILL after ``--timeout``.
 
+Ray: each flow run starts its own local Ray with token authentication, using the stack's token file
+``<run dir>/ray_auth_token`` (random, mode 0600, replaced at every ``start``, never printed); Ray's ports listen on
+the node's address, not loopback, so the token is what keeps other machines out.
+
 Flow runs started by the worker inherit the worker's environment: ``MLFLOW_TRACKING_URI`` = the stack's MLflow
 server, plus whatever the caller exported (e.g. AWS_* credentials for s3:// checkpoints; they are never written to
 MLflow because tasks/tracking.py logs the resolved config only, and recipes hold no credentials).
@@ -34,6 +38,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from workers.cluster import TOKEN_FILE, write_token_file  # noqa: E402
+
 POOL = "fp8-grpo-process"
 WORKER_NAME = "fp8-grpo-stack-worker"
 DEFAULT_RUN_DIR = ROOT / "runs" / "stack"
@@ -185,7 +192,9 @@ def stack_env(run_dir: Path, state: dict) -> dict[str, str]:
         "MLFLOW_TRACKING_URI": state["mlflow_url"],
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "DO_NOT_TRACK": "1",
-        "RAY_AUTH_MODE": env.get("RAY_AUTH_MODE", "disabled"),
+        # every Ray a flow run starts uses token auth with the stack's token file (0600, created by `start`)
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(run_dir / TOKEN_FILE),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -198,6 +207,7 @@ def stack_env(run_dir: Path, state: dict) -> dict[str, str]:
                       ("HF_HOME", cache / "hf")):
         env.setdefault(key, str(path))
     env.pop("PREFECT_PROFILES_PATH", None)
+    env.pop("RAY_AUTH_TOKEN", None)  # the token file is the one source
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     return env
@@ -314,6 +324,7 @@ def cmd_start(args) -> int:
         raise SystemExit(f"stack: partly running in {run_dir}: {st}; run `scripts/stack stop` first")
     for sub in ("pids", "logs", "prefect", "cache"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    write_token_file(run_dir)  # a fresh Ray token for the flow runs of this stack (mode 0600, never printed)
     store = args.backend_store_uri or f"sqlite:///{run_dir / 'mlflow.db'}"
     py = sys.executable
     t0 = time.monotonic()

@@ -1,5 +1,7 @@
 """Test-wide environment: every cache and temp dir under runs/test-env (never $HOME), nothing reaches out."""
+import atexit
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,7 +26,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Every Ray the tests start runs with token auth (as the pipeline's do): one random token per pytest session, in a
+# 0600 file under runs/test-env (per process: concurrent sessions must not replace each other's token), removed at exit.
+from workers.cluster import write_token_file  # noqa: E402
+
+_AUTH_DIR = _ROOT / "ray-auth" / str(os.getpid())
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_AUTH_TOKEN_PATH"] = str(write_token_file(_AUTH_DIR))
+os.environ.pop("RAY_AUTH_TOKEN", None)
+atexit.register(shutil.rmtree, _AUTH_DIR, True)
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 # FP8GRPO_CPU_CAP=avx2|avx512|avx512_bf16|amx runs the whole suite as on that CPU kind: applied here, before any test

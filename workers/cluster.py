@@ -1,7 +1,13 @@
 """Ray runtime for a training run: a local single-node Ray (temp dir under the run dir, dashboard off) or an existing
-cluster (``ray.address``), and the run's two named actors (PolicyWorker, RolloutWorker). Note: Ray 2.60 cannot be
-restricted to loopback from ``ray.init`` (it resolves 127.0.0.1 to the node IP; its gRPC ports listen on all
-interfaces); machines exposed to untrusted networks should keep Ray's token auth on (RAY_AUTH_MODE=token).
+cluster (``ray.address``), and the run's two named actors (PolicyWorker, RolloutWorker).
+
+Security: Ray 2.60 cannot be restricted to loopback from ``ray.init`` (it resolves 127.0.0.1 to the node IP; its gRPC
+ports listen on all interfaces), so every Ray this project starts runs with Ray's token authentication
+(``RAY_AUTH_MODE=token``): a random 256-bit token in a file created with mode 0600 under the run dir (or the one the
+environment already names in ``RAY_AUTH_TOKEN_PATH``, e.g. the stack's or the test harness's), never under $HOME,
+never printed or logged (only its path is). A client without the token is refused. For ``ray.address`` clusters
+the user names the cluster's token file (``ray.auth_token_path`` or ``RAY_AUTH_TOKEN_PATH``); only an explicit
+``RAY_AUTH_MODE=disabled`` in the environment connects without one. See :func:`ray_auth`.
 
 Ray actors die when their last handle is dropped, so ``start_workers`` returns the handles and the flow keeps them
 for the whole run; Prefect tasks look actors up by name (``actor(name)``) and never receive handles, weights or
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +38,7 @@ def cache_env(run_dir: Path) -> dict[str, str]:
         "PREFECT_SERVER_MEMO_STORE_PATH": str(cache / "prefect" / "memo_store.toml"),
     }
     fixed = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-             "MLFLOW_DISABLE_TELEMETRY": "true", "RAY_AUTH_MODE": "disabled", "DO_NOT_TRACK": "1",
+             "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1",
              "VLLM_NO_USAGE_STATS": "1", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
              "VLLM_LOGGING_LEVEL": "ERROR", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
              "TRANSFORMERS_VERBOSITY": "error", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -58,13 +65,95 @@ def ray_temp_dir(run_dir: Path) -> str:
     return f"/tmp/ray-{hashlib.sha1(str(candidate).encode()).hexdigest()[:10]}"
 
 
-def init_ray(cfg: Config, run_dir: Path) -> bool:
-    """Connect to ``ray.address`` or start a local Ray on loopback. Returns True when this call started Ray (the
-    caller shuts it down at the end)."""
+TOKEN_FILE = "ray_auth_token"
+
+
+def write_token_file(directory: Path) -> Path:
+    """A fresh random Ray token (256 bits, hex) in ``directory/ray_auth_token``: created with mode 0600 (never readable
+    by others, not even for an instant) and moved into place atomically. Returns the path; the token is never
+    printed."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / TOKEN_FILE
+    tmp = directory / f".{TOKEN_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.replace(tmp, path)
+    return path
+
+
+def check_token_file(path: str | Path, key: str) -> Path:
+    """A token file a client may use: exists, non-empty, not readable or writable by group or others. ``key`` (the
+    config key or the environment variable that named it) starts the error message."""
+    from configs.schema import ConfigError
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{key}: Ray token file {p} does not exist (or is not a file)")
+    mode = p.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ConfigError(f"{key}: Ray token file {p} has mode {mode:o}: group/others may read it; run chmod 600 {p}")
+    if not p.read_text().strip():
+        raise ConfigError(f"{key}: Ray token file {p} is empty")
+    return p.resolve()
+
+
+def ray_auth(cfg: Config, run_dir: Path) -> dict[str, str]:
+    """The Ray authentication environment of this run (checked before any work starts; applied by ``init_ray``).
+
+    Local Ray (no ``ray.address``): always ``RAY_AUTH_MODE=token``, with ``ray.auth_token_path`` if set, else the
+    token file ``RAY_AUTH_TOKEN_PATH`` already names (the stack's, the test harness's, or one an earlier run in this
+    process created: Ray caches the token per process), else a new one under ``run_dir``. ``ray.address``: the
+    cluster's token from ``ray.auth_token_path``, ``RAY_AUTH_TOKEN_PATH`` or ``RAY_AUTH_TOKEN``; without any, a
+    ConfigError naming ``ray.auth_token_path`` -- unless the environment says ``RAY_AUTH_MODE=disabled`` explicitly
+    (a cluster run without authentication, the user's choice). Returns the variables (a path, never the token)."""
+    from configs.schema import ConfigError
+
+    if cfg.ray.auth_token_path:
+        return {"RAY_AUTH_MODE": "token",
+                "RAY_AUTH_TOKEN_PATH": str(check_token_file(cfg.ray.auth_token_path, "ray.auth_token_path"))}
+    env_path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if cfg.ray.address:
+        if env_path:
+            return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(check_token_file(env_path,
+                                                                                          "RAY_AUTH_TOKEN_PATH"))}
+        if os.environ.get("RAY_AUTH_TOKEN"):
+            return {"RAY_AUTH_MODE": "token"}
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+            return {"RAY_AUTH_MODE": "disabled"}
+        raise ConfigError(f"ray.auth_token_path: ray.address={cfg.ray.address} needs the cluster's Ray token: set "
+                          "ray.auth_token_path (or RAY_AUTH_TOKEN_PATH) to the token file the cluster was started with "
+                          "(or RAY_AUTH_MODE=disabled for a cluster without authentication)")
+    if env_path and Path(env_path).is_file():
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(check_token_file(env_path, "RAY_AUTH_TOKEN_PATH"))}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(write_token_file(run_dir))}
+
+
+def _apply_auth(auth: dict[str, str]) -> None:
+    """Put the auth variables in this process's environment (Ray's processes and actors inherit them) and make Ray's
+    per-process token cache re-read them (a new token path after an earlier Ray in this process)."""
+    os.environ.update(auth)
+    if auth.get("RAY_AUTH_MODE") == "token" and "RAY_AUTH_TOKEN_PATH" in auth:
+        os.environ.pop("RAY_AUTH_TOKEN", None)  # the file is the one source (RAY_AUTH_TOKEN would win over it)
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+        from ray._raylet import Config as RayConfig
+
+        RayConfig.initialize("")  # the auth mode is read from RAY_AUTH_MODE when the config is (re)initialized
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):  # pragma: no cover - other Ray versions read the environment at init
+        pass
+
+
+def init_ray(cfg: Config, run_dir: Path, auth: dict[str, str] | None = None) -> bool:
+    """Connect to ``ray.address`` or start a local Ray, with token authentication (``ray_auth``). Returns True
+    when this call started Ray (the caller shuts it down at the end)."""
     import ray
 
     if ray.is_initialized():
         return False
+    _apply_auth(auth if auth is not None else ray_auth(cfg, run_dir))
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
         return True
@@ -73,7 +162,7 @@ def init_ray(cfg: Config, run_dir: Path) -> bool:
     tmp = ray_temp_dir(run_dir)
     Path(tmp).mkdir(parents=True, exist_ok=True)
     # No _node_ip_address="127.0.0.1": Ray 2.60 rewrites loopback to the node's IP (services.resolve_ip_for_localhost)
-    # and its gRPC servers listen on all interfaces whatever is passed; the dashboard is off.
+    # and its gRPC servers listen on all interfaces whatever is passed; the dashboard is off; token auth is on.
     ray.init(num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False, _temp_dir=tmp,
              logging_level="WARNING", log_to_driver=False)
     return True
@@ -171,17 +260,24 @@ def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Work
     return Workers(names[0], names[1], policy, rollout)
 
 
-def stop_workers(workers: Workers | None) -> None:
+def stop_workers(workers: Workers | None, *, graceful: bool = True) -> None:
+    """End the run's actors. ``graceful``: ask each engine to shut down first (waits for a call in progress, up to
+    60 s); a cancelled or failed run kills them at once (``ray.kill``: the actor process and its in-process vLLM
+    engine end within seconds)."""
     import ray
 
     if workers is None:
         return
-    try:
-        ray.get(workers.rollout.shutdown.remote(), timeout=60)
-    except Exception:  # noqa: BLE001 - best effort before the kill
-        pass
+    if graceful:
+        try:
+            ray.get(workers.rollout.shutdown.remote(), timeout=60)
+        except Exception:  # noqa: BLE001 - best effort before the kill
+            pass
     for handle in (workers.rollout, workers.policy):
-        ray.kill(handle)
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
 
 
 def actor(name: str):

@@ -124,6 +124,7 @@ READERS = {
     "testing.fault_val_accuracy_drop": ("tasks/context.py", "cfg.testing.fault_val_accuracy_drop"),  # TEST-ONLY
     "ray.address": ("workers/cluster.py", "cfg.ray.address"),
     "ray.num_cpus": ("workers/cluster.py", "cfg.ray.num_cpus"),
+    "ray.auth_token_path": ("workers/cluster.py", "cfg.ray.auth_token_path"),
     "ray.policy_worker.num_cpus": ("workers/cluster.py", "pw.num_cpus"),
     "ray.policy_worker.num_gpus": ("workers/cluster.py", "pw.num_gpus"),
     "ray.rollout_worker.num_cpus": ("workers/cluster.py", "rw.num_cpus"),

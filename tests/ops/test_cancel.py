@@ -1,0 +1,123 @@
+"""Cancel and cleanup (issue 13, item 5): SIGTERM to ``python -m flows.grpo`` stops the run within 30 s with every
+process it started gone (Ray, its actors and their in-process vLLM engines, the run's temporary Prefect server) and
+the last complete checkpoint intact; after ``kill -9`` of the driver alone, the run's watchdog
+(workers/watchdog.py) ends everything the driver had started.
+
+Every process of a run inherits a random marker variable from the test, so "gone" is checked over /proc, not
+over the process group (Ray and the watchdog leave the driver's group)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from _ops import ROOT, TINY, kill_marked, processes_with_env, wait_for
+
+from workers.checkpoint import MANIFEST, CheckpointStore
+
+MARK = "FP8_GRPO_CANCEL_MARK"
+LONG = [*TINY, "grpo.max_num_steps=50"]  # never finishes on its own within the test
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return "?"
+
+
+def _start(tmp_path: Path, mark: str) -> tuple[subprocess.Popen, Path, Path, object]:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, MARK: mark, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)  # the run's own temporary Prefect server
+    log_path = tmp_path / "run.log"
+    log = open(log_path, "w")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "flows.grpo", "configs/tiny_fp8_e2e.yaml", *LONG, f"run_dir={run_dir}",
+           f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, run_dir, log_path, log
+
+
+def _gone_within(mark: str, seconds: float) -> tuple[float, list[str]]:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        if not processes_with_env(MARK, mark):
+            return time.monotonic() - t0, []
+        time.sleep(0.2)
+    return time.monotonic() - t0, [f"{p}: {_cmdline(p)}" for p in processes_with_env(MARK, mark)]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_stops_the_run_within_30s_with_nothing_left(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    mark = uuid.uuid4().hex
+    proc, run_dir, log_path, log = _start(tmp_path, mark)
+    ck = run_dir / "checkpoints"
+    try:
+        wait_for(lambda: (ck / "step_000001" / MANIFEST).exists() or proc.poll() is not None, 600,
+                 "first checkpoint", poll=0.1)
+        assert proc.poll() is None, f"run ended before its first checkpoint:\n{log_path.read_text()[-3000:]}"
+        before = processes_with_env(MARK, mark)
+        kinds = " ".join(_cmdline(p) for p in before)
+        assert "raylet" in kinds and "prefect" in kinds and "ray::" in kinds, kinds  # what must end
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)  # the driver only, as `kill PID` would
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            rc = None
+        exited = time.monotonic() - t0
+        waited, left = _gone_within(mark, max(0.0, 30 - exited))
+        print(f"\n[SIGTERM: driver exited after {exited:.1f}s (rc {rc}), all {len(before)} processes gone after "
+              f"{exited + waited:.1f}s]")
+        assert rc is not None, f"driver still running 30 s after SIGTERM:\n{log_path.read_text()[-3000:]}"
+        assert not left, f"still running {exited + waited:.1f}s after SIGTERM: {left}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        kill_marked(MARK, mark)
+    out = log_path.read_text()
+    assert "stopping the workers and Ray" in out, out[-3000:]
+
+    store = CheckpointStore(str(ck))
+    last = store.latest_step()
+    assert last is not None and last >= 1
+    loaded = store.load(last)  # the last complete checkpoint loads (weights, optimizer, state)
+    assert loaded.state["step"] == last
+    c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert c.get_run(loaded.state["mlflow_run_id"]).info.status == "KILLED"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kill9_of_the_driver_leaves_nothing_running(tmp_path):
+    mark = uuid.uuid4().hex
+    proc, run_dir, log_path, log = _start(tmp_path, mark)
+    try:
+        wait_for(lambda: "workers up" in log_path.read_text() or proc.poll() is not None, 600, "workers", poll=0.1)
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        time.sleep(2)  # let the watchdog record the actors
+        before = processes_with_env(MARK, mark)
+        kinds = " ".join(_cmdline(p) for p in before)
+        assert "raylet" in kinds and "prefect" in kinds and "ray::" in kinds, kinds
+        os.kill(proc.pid, signal.SIGKILL)  # the driver alone: its children are orphaned
+        proc.wait(10)
+        waited, left = _gone_within(mark, 30)
+        print(f"\n[kill -9 of the driver: all {len(before)} processes gone after {waited:.1f}s]")
+        assert not left, f"still running 30 s after kill -9 of the driver: {left}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        kill_marked(MARK, mark)
