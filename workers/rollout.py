@@ -309,6 +309,7 @@ class RolloutWorker:
         self._kv_scales: dict[str, list[float]] | None = None
         self._last_stats = {"tokens_per_s": None, "generated_tokens": 0, "wall_s": None}
         self._last_refit_s: float | None = None
+        self._weights_version: int | None = None  # the policy step of the loaded weights (None: model_dir's)
         t0 = time.perf_counter()
         self.llm = self._start_engine()
         self.start_s = time.perf_counter() - t0
@@ -407,10 +408,16 @@ class RolloutWorker:
         return ids
 
     def generate(self, prompts: list[str] | list[list[int]], *, n: int = 1, max_tokens: int = 64,
-                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None) -> list[dict]:
-        """Sample ``n`` completions per prompt; returns one dict per prompt (format in the module docstring)."""
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                 weights_version: int | None = None) -> list[dict]:
+        """Sample ``n`` completions per prompt; returns one dict per prompt (format in the module docstring).
+        ``weights_version``: the policy step whose weights this rollout must run on; an engine that holds other
+        weights (it missed a refit) refuses before generating anything."""
         from vllm import SamplingParams, TokensPrompt
 
+        if weights_version is not None and weights_version != self._weights_version:
+            raise ValueError(f"this engine holds the policy weights of step {self._weights_version}, the rollout "
+                             f"needs step {weights_version}: it missed a refit; refusing to generate")
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an int >= 1, got {n!r}")
         if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -522,8 +529,15 @@ class RolloutWorker:
         if scales is not None:
             self._apply_kv_scales(scales)
         self.llm.reset_prefix_cache()
+        self._weights_version = weights_version
         self._last_refit_s = time.perf_counter() - t0
         return self._last_refit_s
+
+    @staticmethod
+    def gather(*parts: list[dict]) -> list[dict]:
+        """Several engines' ``generate`` results (given in prompt order) as one list in that order, with
+        ``prompt_index`` renumbered over the whole batch: the step's rollouts as one object in Ray's object store."""
+        return gather_rollouts(*parts)
 
     # ------------------------------------------------------------------ KV scales
     def _check_kv_scales(self, kv_scales) -> dict[str, list[float]]:
@@ -606,9 +620,18 @@ class RolloutWorker:
             "last_generated_tokens": self._last_stats["generated_tokens"],
             "last_generate_s": self._last_stats["wall_s"],
             "last_refit_s": self._last_refit_s,
+            "weights_version": self._weights_version,
             "engine_start_s": self.start_s,
             "config": asdict(self.config),
         }
+
+
+def gather_rollouts(*parts: list[dict]) -> list[dict]:
+    """Concatenate ``generate`` results of consecutive prompt ranges; ``prompt_index`` counts over the whole batch."""
+    out = [dict(r) for part in parts for r in part]
+    for i, r in enumerate(out):
+        r["prompt_index"] = i
+    return out
 
 
 # Functions run on the model inside the engine (llm.apply_model); module-level so they pickle on multi-process GPU

@@ -265,6 +265,23 @@ def test_bad_refit_and_scales_leave_engine_usable(worker, checkpoint, prompts):
 
 
 @pytest.mark.slow
+def test_rollout_refuses_an_engine_that_missed_the_refit(worker, checkpoint, prompts):
+    """Fan-out (issue 13): each rollout names the policy step it needs; an engine holding other weights refuses before
+    generating, and the same split over engines gives the same samples as one call (per-prompt seeds)."""
+    worker.refit(checkpoint, weights_version=3)
+    assert worker.stats()["weights_version"] == 3
+    with pytest.raises(ValueError, match="holds the policy weights of step 3, the rollout needs step 4: it missed"):
+        worker.generate(prompts, n=1, max_tokens=4, seed=1, weights_version=4)
+    whole = worker.generate(prompts, n=2, max_tokens=8, seed=11, weights_version=3)
+    # what two engines return for prompts [0:1] and [1:2] with the rollout task's seeds (seed + start * n)
+    parts = [worker.generate(prompts[:1], n=2, max_tokens=8, seed=11), worker.generate(prompts[1:], n=2, max_tokens=8,
+                                                                                       seed=11 + 1 * 2)]
+    assert RolloutWorker.gather(*parts) == whole
+    worker.refit(checkpoint)  # back to an unversioned load for the other tests
+    assert worker.stats()["weights_version"] is None
+
+
+@pytest.mark.slow
 def test_kv_scales_are_set_and_survive_refit(worker, checkpoint):
     scales = {"k_scale": [0.5, 0.25, 0.125, 1.0], "v_scale": [2.0, 1.0, 0.5, 0.25]}
     try:
