@@ -26,6 +26,14 @@ Numerics
      with the loss normalizer = valid tokens (token-level loss) or sequences of the global batch, so accumulation
      reproduces the full-batch loss. Gradient norm clipped to ``max_grad_norm``; a non-finite loss or gradient skips
      that optimizer step (counted in ``train/skipped_updates``; the weights are untouched).
+     DAPO dynamic sampling (``grpo.dynamic_sampling``): groups whose rewards are all equal (zero advantage, no
+     gradient) are *filtered out of the loss*, not re-sampled: the kept rows are split into
+     ``ceil(kept / train_global_batch_size)`` updates of near-equal size, so their tokens are no longer diluted by
+     zero-advantage ones in the token-level normalizer. Their old logprobs are still computed (no-grad pass) so the
+     mismatch / entropy metrics cover every rollout. ``train/dynamic_sampling_filtered_frac`` = share of groups
+     filtered (0 when off); ``reward/frac_groups_all_same`` is logged either way.
+     ``clip/*`` fractions are pooled over the updates after the first (the first update's ratio is exactly 1, so it
+     only dilutes them; with a single update they cover it); ``clip_all_updates/*`` pools every update.
   5. Calibrated Clipping (every K steps, FP8 training only): BF16-shadow (``fp8core.convert.high_precision``) and FP8
      logprobs of the same tokens before and after the update give ``ratio_bf16`` / ``ratio_fp8``; the controller
      moves the clip bounds used by later steps.
@@ -326,12 +334,22 @@ class PolicyWorker:
         m: dict[str, float] = {}
         gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
         perm = torch.randperm(len(b), generator=torch.Generator().manual_seed(cfg.grpo.seed * 100003 + step))
+        keep = torch.ones(len(b), dtype=torch.bool)
+        if cfg.grpo.dynamic_sampling:  # DAPO: identical-reward groups leave the loss (module docstring, item 4)
+            from fp8core.rl import dynamic_sampling_mask
+
+            keep = dynamic_sampling_mask(r, group_size=b.group_size, per_sample=True)
+        trained = perm[keep[perm]]
+        n_upd = -(-len(trained) // gbs)
+        update_rows = list(torch.tensor_split(trained, n_upd)) if n_upd else []
         # Old logprobs = the policy before this step's first update. The first update's own training forwards run
-        # exactly those weights, so its rows take old_logp (and entropy) from them (detached) and only the rows of
-        # later updates need a separate no-grad pass -- none with one update per step. Not with dropout (the
-        # training forward would differ from the eval one).
-        first = perm[:gbs] if self.reuse_first_forward else perm[:0]
-        later = perm[len(first):]
+        # exactly those weights, so its rows take old_logp (and entropy) from them (detached) and only the other
+        # rows need a separate no-grad pass -- none with one update per step and no filtering. Not with dropout
+        # (the training forward would differ from the eval one).
+        first = update_rows[0] if update_rows and self.reuse_first_forward else perm[:0]
+        in_first = torch.zeros(len(b), dtype=torch.bool)
+        in_first[first] = True
+        later = perm[~in_first[perm]]
         old_logp = torch.zeros(len(b), b.width)
         ent = torch.zeros(len(b), b.width, dtype=torch.float64)  # fp8core.rl.metrics.token_entropy's dtype
         known = torch.zeros(len(b), dtype=torch.bool)
@@ -358,9 +376,9 @@ class PolicyWorker:
         agg = "token_mean" if lf.token_level_loss else "seq_mean_token_mean"
         self.model.train()
         sums: dict[str, float] = {}
+        clip_parts: list[tuple[int, dict, torch.Tensor, torch.Tensor]] = []  # (update, clip metrics, adv, mask)
         n_mb, n_gb, grad_norms, updates, t_opt = 0, 0, [], 0, 0.0
-        for g0 in range(0, len(b), gbs):
-            gidx = perm[g0: g0 + gbs]
+        for u, gidx in enumerate(update_rows):
             gm = b.mask[gidx]
             normalizer = float(gm.sum().clamp_min(1)) if lf.token_level_loss else float((gm.sum(1) > 0).sum())
             self.optimizer.zero_grad(set_to_none=True)
@@ -370,7 +388,7 @@ class PolicyWorker:
                 idx = gidx[m0: m0 + mbs]
                 mb = b.slice(idx).trimmed()
                 w = mb.width
-                fresh = g0 == 0 and len(first) > 0  # rows whose old logprobs this forward provides
+                fresh = u == 0 and len(first) > 0  # rows whose old logprobs this forward provides
                 logp, e = self._token_logp(mb, want_entropy=fresh)
                 if fresh:
                     old_logp[idx] = _pad_cols(logp.detach().cpu(), b.width)
@@ -388,9 +406,11 @@ class PolicyWorker:
                     break
                 loss.backward()
                 n_mb += 1
+                clip_parts.append((u, lm, adv[idx], mb.mask))
                 for k, v in lm.items():
-                    sums[k] = sums.get(k, 0.0) + v
-            if g0 == 0 and not bool(known.all()):  # a non-finite loss stopped the first update early: its
+                    if not k.startswith("clip/"):
+                        sums[k] = sums.get(k, 0.0) + v
+            if u == 0 and not bool(known.all()):  # a non-finite loss stopped the first update early: its
                 missing = (~known).nonzero().squeeze(1)  # weights are untouched (no step), so finish the pass
                 old_logp[missing], ent[missing] = self.logprobs(b, want_entropy=True, rows=missing)
                 if use_is:
@@ -418,6 +438,16 @@ class PolicyWorker:
         m["train/old_logprob_pass_samples"] = float(len(later))
         for k, v in sums.items():  # micro-batch means; loss/total is normalized globally, so sum per global batch
             m[k] = v / max(1, n_gb) if k == "loss/total" else v / max(1, n_mb)
+        from fp8core.rl import pool_clip_metrics
+
+        later_parts = [(lm, a, mk) for u, lm, a, mk in clip_parts if u > 0]
+        m.update(pool_clip_metrics(later_parts or [(lm, a, mk) for _, lm, a, mk in clip_parts]))
+        m["train/clip_metric_updates"] = float(len({u for u, *_ in clip_parts if u > 0}) or
+                                               len({u for u, *_ in clip_parts}))
+        m.update({k.replace("clip/", "clip_all_updates/"): v for k, v in
+                  pool_clip_metrics([(lm, a, mk) for _, lm, a, mk in clip_parts]).items()})
+        m["train/dynamic_sampling_filtered_frac"] = float((~keep).float().mean())  # rows = groups (whole groups)
+        m["train/samples_in_loss"] = float(len(trained))
         m["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         m["train/lr"] = lr_used
         m["train/optimizer_updates"] = float(updates)

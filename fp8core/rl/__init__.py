@@ -25,6 +25,7 @@ from fp8core.rl.metrics import (
     is_metrics,
     masked_mean,
     mismatch_metrics,
+    pool_clip_metrics,
     response_length_metrics,
     token_entropy,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "mismatch_metrics",
     "is_metrics",
     "clip_metrics",
+    "pool_clip_metrics",
     "entropy_metrics",
     "token_entropy",
     "response_length_metrics",

@@ -27,6 +27,11 @@ clip_metrics(ratio, advantages, mask, *, clip_low, clip_high)
     ``clip/upper_neg_adv_frac`` = #(valid, A < 0, r > H) / #(valid, A < 0)   (gradient not zeroed unless dual-clip)
     ``clip/ratio_min``, ``clip/ratio_mean``, ``clip/ratio_max`` over valid tokens; ``clip/bound_low`` = L, ``clip/bound_high`` = H.
     "Clipped" is strict (r < L, r > H): at r == L the clamp changes nothing.
+pool_clip_metrics(parts)
+    The ``clip_metrics`` of several micro-batches pooled as if computed on their union: each fraction weighted by
+    its population (#valid tokens with A < 0, resp. A > 0), ``ratio_min`` / ``ratio_max`` the extremes, ``ratio_mean``
+    weighted by valid tokens (micro-batches without valid tokens ignored). Used to report the clip fractions over the
+    optimizer updates after the first of an RL step (the first update's ratio is exactly 1).
 entropy_metrics(mask, *, logits=None, logp=None)
     ``policy/entropy``: mean over valid tokens of the full-vocabulary entropy ``logsumexp(z) - sum softmax(z) z`` when
     ``logits`` ([B, T, V]) are given, else the sampled-token estimate mean(-logp) (unbiased when the tokens were sampled
@@ -45,6 +50,7 @@ __all__ = [
     "mismatch_metrics",
     "is_metrics",
     "clip_metrics",
+    "pool_clip_metrics",
     "entropy_metrics",
     "token_entropy",
     "response_length_metrics",
@@ -142,6 +148,37 @@ def clip_metrics(
         "clip/bound_low": float(clip_low),
         "clip/bound_high": float(clip_high),
     }
+
+
+CLIP_FRACTIONS = {"clip/lower_neg_adv_frac": "neg", "clip/lower_pos_adv_frac": "pos",
+                  "clip/upper_pos_adv_frac": "pos", "clip/upper_neg_adv_frac": "neg"}
+
+
+def pool_clip_metrics(parts) -> dict[str, float]:
+    """Pool ``clip_metrics`` results of micro-batches: ``parts`` is an iterable of ``(metrics, advantages, mask)``
+    (advantages ``[B]`` or ``[B, T]`` as given to ``clip_metrics``). Returns the fractions and ratio statistics of the
+    union (definitions in the module docstring); an empty union gives 0.0 for each."""
+    num = {k: 0.0 for k in CLIP_FRACTIONS}
+    den = {"neg": 0.0, "pos": 0.0, "valid": 0.0}
+    rmin, rmax, rsum = math.inf, -math.inf, 0.0
+    for m, adv, mask in parts:
+        a = adv.detach().to(torch.float64)
+        if a.dim() == 1 and mask.dim() == 2:
+            a = a[:, None].expand(mask.shape)
+        valid = mask.bool()
+        n = {"neg": float((valid & (a < 0)).sum()), "pos": float((valid & (a > 0)).sum()), "valid": float(valid.sum())}
+        for k, pop in CLIP_FRACTIONS.items():
+            num[k] += m[k] * n[pop]
+        for pop, c in n.items():
+            den[pop] += c
+        if n["valid"] > 0:
+            rmin, rmax = min(rmin, m["clip/ratio_min"]), max(rmax, m["clip/ratio_max"])
+            rsum += m["clip/ratio_mean"] * n["valid"]
+    out = {k: num[k] / den[pop] if den[pop] > 0 else 0.0 for k, pop in CLIP_FRACTIONS.items()}
+    empty = den["valid"] == 0
+    out.update({"clip/ratio_min": 0.0 if empty else rmin, "clip/ratio_max": 0.0 if empty else rmax,
+                "clip/ratio_mean": 0.0 if empty else rsum / den["valid"]})
+    return out
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,7 @@ READERS = {
     "grpo.max_num_steps": ("flows/grpo.py", "cfg.grpo.max_num_steps"),
     "grpo.normalize_rewards": ("workers/policy.py", "g.normalize_rewards"),
     "grpo.use_leave_one_out_baseline": ("workers/policy.py", "g.use_leave_one_out_baseline"),
+    "grpo.dynamic_sampling": ("workers/policy.py", "cfg.grpo.dynamic_sampling"),
     "grpo.val_period": ("flows/grpo.py", "cfg.grpo.val_period"),
     "grpo.val_at_start": ("flows/grpo.py", "cfg.grpo.val_at_start"),
     "grpo.max_val_samples": ("flows/grpo.py", "cfg.grpo.max_val_samples"),

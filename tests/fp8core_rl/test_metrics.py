@@ -130,3 +130,32 @@ def test_mismatch_and_clip_match_loop_reference(seed):
     assert c["clip/upper_neg_adv_frac"] == pytest.approx(frac(neg, lambda r: r > 1.2))
     assert c["clip/lower_pos_adv_frac"] == pytest.approx(frac(pos, lambda r: r < 0.8))
     assert c["clip/upper_pos_adv_frac"] == pytest.approx(frac(pos, lambda r: r > 1.2))
+
+
+def test_pool_clip_metrics_worked_example():
+    """Pooling weights each micro-batch's fractions by its population (not a plain mean of fractions)."""
+    from fp8core.rl import pool_clip_metrics
+
+    lo, hi = 0.8, 1.2
+    parts = []
+    for ratio, adv, mask in [
+        ([[1.0, 1.0], [1.0, 1.0]], [1.0, -1.0], [[1, 1], [1, 1]]),  # a first update: ratio exactly 1
+        ([[0.5, 1.0, 1.5], [0.7, 1.3, 1.0]], [-1.0, 1.0], [[1, 1, 1], [1, 1, 0]]),
+        ([[0.9, 0.6]], [-1.0], [[1, 1]]),
+    ]:
+        r, a, m = torch.tensor(ratio), torch.tensor(adv), torch.tensor(mask, dtype=torch.float32)
+        parts.append((clip_metrics(r, a, m, clip_low=lo, clip_high=hi), a, m))
+    later = pool_clip_metrics(parts[1:])
+    # negative-advantage tokens: 0.5 (< L), 1.0, 1.5 (> H) | 0.9, 0.6 (< L) -> 2/5 below, 1/5 above
+    assert later["clip/lower_neg_adv_frac"] == pytest.approx(2 / 5)  # a plain mean of (1/3, 1/2) would be 0.4167
+    assert later["clip/upper_neg_adv_frac"] == pytest.approx(1 / 5)
+    # positive-advantage tokens: 0.7 (< L), 1.3 (> H); the masked 1.0 does not count
+    assert later["clip/lower_pos_adv_frac"] == pytest.approx(1 / 2)
+    assert later["clip/upper_pos_adv_frac"] == pytest.approx(1 / 2)
+    assert (later["clip/ratio_min"], later["clip/ratio_max"]) == (0.5, 1.5)
+    assert later["clip/ratio_mean"] == pytest.approx(6.5 / 7)
+    every = pool_clip_metrics(parts)  # the first update adds 2 negative and 2 positive tokens, none clipped
+    assert every["clip/lower_neg_adv_frac"] == pytest.approx(2 / 7)
+    assert every["clip/upper_pos_adv_frac"] == pytest.approx(1 / 4)
+    assert every["clip/ratio_mean"] == pytest.approx(10.5 / 11)
+    assert all(v == 0.0 for v in pool_clip_metrics([]).values())

@@ -222,3 +222,53 @@ def test_old_logprobs_from_first_update_forward(model_dir, gbs, separate):
     assert m2["train/old_logprob_pass_samples"] == 8
     for p1, p2 in zip(c.model.parameters(), a2.model.parameters(), strict=True):
         assert torch.allclose(p1, p2, rtol=1e-4, atol=1e-6)
+
+
+def test_dynamic_sampling_filters_identical_reward_groups(model_dir):
+    """grpo.dynamic_sampling: the all-zero group leaves the loss -- one update of the mixed group's 4 rows, the same
+    weights as a run that only ever saw that group -- yet the mismatch metrics still cover all 8 rollouts."""
+    # AdamW's eps = 1 makes its first step ~ lr * gradient (not ~ lr * sign(gradient), which float rounding of a
+    # different micro-batch order can flip where a gradient is ~0), so equal gradients give allclose weights.
+    over = {"policy.precision": "float32", "policy.train_global_batch_size": 4, "policy.optimizer.eps": 1.0,
+            "policy.optimizer.lr": 1.0}
+    ds = PolicyWorker(model_dir, _cfg(**over, **{"grpo.dynamic_sampling": "true"}))
+    ro = _rollouts(ds)
+    rewards = [1.0, 0.0, 0.0, 0.0] + [0.0] * 4  # group 1: identical rewards
+    m = ds.train_step(ro, rewards, step=1)
+    assert m["reward/frac_groups_all_same"] == 0.5 and m["train/dynamic_sampling_filtered_frac"] == 0.5
+    assert m["train/samples_in_loss"] == 4 and m["train/optimizer_updates"] == 1
+    assert m["train/old_logprob_pass_samples"] == 4  # the filtered rows: no-grad pass for the metrics
+    assert m["mismatch/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-4)
+    only = PolicyWorker(model_dir, _cfg(**over))  # dynamic sampling off, fed the mixed group alone
+    m1 = only.train_step(ro[:1], rewards[:4], step=1)
+    assert m1["train/dynamic_sampling_filtered_frac"] == 0.0 and m1["train/optimizer_updates"] == 1
+    for p1, p2 in zip(ds.model.parameters(), only.model.parameters(), strict=True):
+        assert torch.allclose(p1, p2, rtol=1e-5, atol=1e-7)
+    off = PolicyWorker(model_dir, _cfg(**over))  # off on the full batch: both groups, two updates
+    m2 = off.train_step(ro, rewards, step=1)
+    assert m2["train/samples_in_loss"] == 8 and m2["train/optimizer_updates"] == 2
+    assert m2["reward/frac_groups_all_same"] == 0.5 and m2["train/dynamic_sampling_filtered_frac"] == 0.0
+
+
+def test_clip_metrics_cover_the_updates_after_the_first(model_dir):
+    """Two updates per step: ``clip/*`` pools the second update only; ``clip_all_updates/*`` both, where the first
+    update (ratio exactly 1) adds its tokens to the populations and nothing to the clipped counts."""
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", "policy.train_global_batch_size": 4,
+                                        "policy.optimizer.lr": 0.05}))
+    ro = _rollouts(w)
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    m = w.train_step(ro, rewards, step=1)
+    assert m["train/clip_metric_updates"] == 1 and m["train/optimizer_updates"] == 2
+    b = Batch.from_rollouts(ro, pad_id=w.tokenizer.pad_token_id)
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(0 * 100003 + 1))  # train_step's row order
+    adv = w.advantages(torch.tensor(rewards), 4)
+
+    def count(rows, sign):
+        return float(((adv[rows][:, None] * sign > 0) & b.mask[rows].bool()).sum())
+
+    first, second = perm[:4], perm[4:]
+    for key, sign in (("lower_neg_adv_frac", -1), ("upper_pos_adv_frac", 1), ("lower_pos_adv_frac", 1)):
+        share = count(second, sign) / (count(first, sign) + count(second, sign))
+        assert m[f"clip_all_updates/{key}"] == pytest.approx(m[f"clip/{key}"] * share, abs=1e-12), key
+    assert m["clip/lower_neg_adv_frac"] + m["clip/upper_pos_adv_frac"] > 0  # lr 0.05: the second update moved
+    assert m["clip_all_updates/ratio_min"] <= 1.0 <= m["clip_all_updates/ratio_max"]
