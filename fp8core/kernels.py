@@ -38,7 +38,7 @@ _log = logging.getLogger("fp8core.kernels")
 _lock = threading.Lock()
 _state: dict = {}
 
-__all__ = ["ENV", "MODES", "build_root", "describe", "load", "qdq"]
+__all__ = ["ENV", "MODES", "build_root", "describe", "load", "quantize_tiles"]
 
 
 def _mode() -> str:
@@ -112,14 +112,19 @@ def describe() -> str:
 
 
 _FMT = {"e4m3": (448.0, 3, -9), "e5m2": (57344.0, 2, -16)}
+_DT = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def qdq(x2: torch.Tensor, *, group: int, columns: bool, fmt: str, pow2: bool):
-    """(dequantized FP32 [M, K], amax) of a contiguous 2-D float32/bfloat16 CPU tensor, or None where the kernel is
-    not in use (the caller then takes the torch path). ``columns``: groups run down the columns (wgrad operands)."""
+def quantize_tiles(x2: torch.Tensor, *, tile: tuple[int, int], fmt: str, pow2: bool, want_dq: bool,
+                   want_codes: bool):
+    """One pass of the kernel over a contiguous 2-D float32/bfloat16 CPU tensor ``[M, K]`` whose groups are tiles of
+    ``tile = (rows, cols)`` elements: ``(dq FP32 [M, K] or None, FP8 data [M, K] or None, amax, scale)``, amax and
+    scale of shape ``[ceil(M / rows), ceil(K / cols)]``; or None where the kernel is not in use (the caller then takes
+    the torch path)."""
     mod = load()
-    if mod is None or x2.device.type != "cpu" or x2.dtype not in (torch.float32, torch.bfloat16):
+    if mod is None or x2.device.type != "cpu" or x2.dtype not in (torch.float32, torch.bfloat16) or x2.dim() != 2:
         return None
     fp8_max, mbits, min_exp = _FMT[fmt]
-    out, amax = mod.qdq(x2.contiguous(), int(group), bool(columns), fp8_max, mbits, min_exp, bool(pow2))
-    return out, amax
+    dq, codes, amax, scale = mod.quantize_tiles(x2.contiguous(), int(tile[0]), int(tile[1]), fp8_max, mbits, min_exp,
+                                                bool(pow2), bool(want_dq), bool(want_codes))
+    return (dq if want_dq else None), (codes.view(_DT[fmt]) if want_codes else None), amax, scale

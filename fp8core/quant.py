@@ -449,6 +449,9 @@ def quantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool
     x2 = _as_2d(x.detach(), granularity)
     if x2 is None:
         return quantize_reference(x, granularity, fmt=fmt, pow2=pow2)
+    fused = _fused(x2, _tile(granularity, x2.shape), fmt=fmt, pow2=pow2, want_dq=False, want_data=True)
+    if fused is not None:
+        return QuantizedTensor(fused[1].reshape(x.shape), fused[2].reshape(scale_shape), granularity, fmt)
     with _SingleThread():
         data, scale, _ = _quantize_2d(x2, granularity, fmt, pow2, want_data=True, want_dq=False)
     return QuantizedTensor(data.reshape(x.shape), scale.reshape(scale_shape), granularity, fmt)
@@ -464,11 +467,11 @@ def quantize_dequantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3",
     if x2 is None:
         q = quantize_reference(x, granularity, fmt=fmt, pow2=pow2)
         return dequantize(q), (q if keep_data else None)
-    if not keep_data and granularity in ("group128", "rowwise"):
-        fused = _fused(x2, group=GROUP if granularity == "group128" else x2.shape[1], columns=False, fmt=fmt,
-                       pow2=pow2)
-        if fused is not None:
-            return fused.reshape(x.shape), None
+    fused = _fused(x2, _tile(granularity, x2.shape), fmt=fmt, pow2=pow2, want_dq=True, want_data=keep_data)
+    if fused is not None:
+        dq, data, scale = fused
+        q = QuantizedTensor(data.reshape(x.shape), scale.reshape(scale_shape), granularity, fmt) if keep_data else None
+        return dq.reshape(x.shape), q
     with _SingleThread():
         data, scale, dq = _quantize_2d(x2, granularity, fmt, pow2, want_data=keep_data, want_dq=True)
     q = QuantizedTensor(data.reshape(x.shape), scale.reshape(scale_shape), granularity, fmt) if keep_data else None
@@ -489,25 +492,33 @@ def quantize_dequantize_columns(x: torch.Tensor, granularity: str, *, fmt: str =
     x = x.detach()
     if granularity == "tensorwise" or x.numel() == 0:  # elementwise with one scale: transposing commutes
         return quantize_dequantize(x, granularity, fmt=fmt, pow2=pow2)[0]
-    fused = _fused(x, group=GROUP if granularity == "group128" else x.shape[0], columns=True, fmt=fmt, pow2=pow2)
+    fused = _fused(x, (GROUP if granularity == "group128" else x.shape[0], 1), fmt=fmt, pow2=pow2, want_dq=True,
+                   want_data=False)
     if fused is not None:
-        return fused
+        return fused[0]
     with _SingleThread():
         return _columns(x, granularity, fmt, pow2)
 
 
-def _fused(x2: torch.Tensor, *, group: int, columns: bool, fmt: str, pow2: bool) -> torch.Tensor | None:
-    """The fused C++ kernel's result (fp8core.kernels: one pass per group, bit-identical to the chunked torch
-    path below), or None where it is not in use."""
+def _tile(granularity: str, shape2d) -> tuple[int, int]:
+    """The group of ``granularity`` on a 2-D ``[M, K]`` tensor as a tile of (rows, cols) elements."""
+    m, k = shape2d
+    return {"tensorwise": (max(m, 1), max(k, 1)), "rowwise": (1, max(k, 1)), "group128": (1, GROUP),
+            "block128": (GROUP, GROUP)}[granularity]
+
+
+def _fused(x2: torch.Tensor, tile: tuple[int, int], *, fmt: str, pow2: bool, want_dq: bool, want_data: bool):
+    """``(dq or None, data or None, scale)`` from the fused C++ kernel (fp8core.kernels: one pass per group, the same
+    IEEE operations as the chunked torch path below, bit-identical), or None where it is not in use."""
     from fp8core import kernels
 
-    res = kernels.qdq(x2, group=group, columns=columns, fmt=fmt, pow2=pow2)
+    res = kernels.quantize_tiles(x2, tile=tile, fmt=fmt, pow2=pow2, want_dq=want_dq, want_codes=want_data)
     if res is None:
         return None
-    out, amax = res
+    dq, data, amax, scale = res
     if amax.numel() and not math.isfinite(float(amax.max())):  # amax >= 0; nan/inf patterns compare above finite
         raise ValueError(_NON_FINITE)
-    return out
+    return dq, data, scale
 
 
 def _columns(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> torch.Tensor:

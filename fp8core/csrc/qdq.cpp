@@ -11,10 +11,12 @@
 // even), sign restored with copysign. amax is computed on the integer patterns |x| (exact, and NaN > inf > finite),
 // so the caller can reject non-finite input from the returned amax.
 //
-// Layouts: ``rows``: x [M, K], groups of ``group`` consecutive elements along K (group128: 128; rowwise: K).
-//          ``cols``: x [T, K], groups of ``group`` consecutive rows of one column (group128: 128; rowwise: T).
-// Inputs float32 or bfloat16 (contiguous); output float32. Parallel over row blocks with at::parallel_for (the
-// caller decides the thread count).
+// FP8 codes (when asked) come from the rounded value's bits: sign | biased exponent | top mantissa bits for FP8
+// normals, |value| / 2**min_exp for subnormals -- the byte torch's cast writes for the same value.
+//
+// Groups are tiles of gr x gc elements of a row-major [M, K] tensor (see tile_kernel). Inputs float32 or bfloat16
+// (contiguous); dequantized output float32. Parallel over row blocks with at::parallel_for (the caller decides the
+// thread count).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -53,118 +55,107 @@ inline float scale_of(uint32_t amax_bits, const Fmt& f, bool pow2) {
   return s;
 }
 
+// One kernel for every granularity: groups are tiles of ``gr`` rows x ``gc`` columns of a row-major [M, K] tensor
+// (group128 along K: 1 x 128; rowwise: 1 x K; along T (wgrad operands): 128 x 1 or T x 1; block128: 128 x 128;
+// tensorwise: M x K). Each block of ``gr`` rows is read twice: once for the column-wise |x| maxima (reduced to the
+// tiles' amax), once to divide, clamp, round and write the dequantized values and/or the FP8 codes.
 template <typename T>
-void rows_kernel(const T* x, float* out, float* amax_out, int64_t m, int64_t k, int64_t group, Fmt f, bool pow2) {
-  const int64_t g = (k + group - 1) / group;
+void tile_kernel(const T* x, float* dq, uint8_t* codes, float* amax_out, float* scale_out, int64_t m, int64_t k,
+                 int64_t gr, int64_t gc, Fmt f, bool pow2) {
+  const int64_t nrb = (m + gr - 1) / gr, ncg = (k + gc - 1) / gc;
   const float c = std::ldexp(1.5f, f.min_exp + 23);
   const float thr = std::ldexp(1.0f, f.min_exp + f.mbits);
+  const float inv_sub = std::ldexp(1.0f, -f.min_exp);
   const int shift = 23 - f.mbits;
   const uint32_t half = (1u << (shift - 1)) - 1u, mask = ~((1u << shift) - 1u);
+  const uint32_t mmask = (1u << f.mbits) - 1u;
+  const int bias = f.mbits == 3 ? 7 : 15;
   const float mx = f.fp8_max;
-  at::parallel_for(0, m, std::max<int64_t>(1, 65536 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(static_cast<size_t>(std::min<int64_t>(group, k)));
+  auto block = [&](int64_t rb) {
+    const int64_t r0 = rb * gr, r1 = std::min(m, r0 + gr);
+    std::vector<uint32_t> acc(static_cast<size_t>(k), 0u);
+    std::vector<float> sv(static_cast<size_t>(k));
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * k;
-      float* orow = out + r * k;
-      for (int64_t gi = 0; gi < g; ++gi) {
-        const int64_t c0 = gi * group, n = std::min(group, k - c0);
-        float* v = buf.data();
-        uint32_t am = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          v[j] = load<T>(xr, c0 + j);
-          const uint32_t a = f2u(v[j]) & 0x7FFFFFFFu;
-          am = a > am ? a : am;
-        }
-        amax_out[r * g + gi] = u2f(am);
-        const float s = scale_of(am, f, pow2);
-        float* o = orow + c0;
-        for (int64_t j = 0; j < n; ++j) {
-          float b = v[j] / s;
-          b = b > mx ? mx : (b < -mx ? -mx : b);
-          const uint32_t u = f2u(b);
-          const float nrm = u2f((u + half + ((u >> shift) & 1u)) & mask);
-          const float ab = std::fabs(b);
-          const float sub = std::copysign((ab + c) - c, b);
-          o[j] = (ab < thr ? sub : nrm) * s;
-        }
+      uint32_t* a = acc.data();
+      for (int64_t j = 0; j < k; ++j) {
+        const uint32_t v = f2u(load<T>(xr, j)) & 0x7FFFFFFFu;
+        a[j] = v > a[j] ? v : a[j];
       }
     }
-  });
-}
-
-template <typename T>
-void cols_kernel(const T* x, float* out, float* amax_out, int64_t t, int64_t k, int64_t group, Fmt f, bool pow2) {
-  const int64_t nb = (t + group - 1) / group;
-  const float c = std::ldexp(1.5f, f.min_exp + 23);
-  const float thr = std::ldexp(1.0f, f.min_exp + f.mbits);
-  const int shift = 23 - f.mbits;
-  const uint32_t half = (1u << (shift - 1)) - 1u, mask = ~((1u << shift) - 1u);
-  const float mx = f.fp8_max;
-  // parallel over row blocks when there are several, else over column ranges
-  const bool by_blocks = nb >= 2;
-  auto block = [&](int64_t b, int64_t k0, int64_t k1) {
-    const int64_t r0 = b * group, r1 = std::min(t, r0 + group);
-    std::vector<uint32_t> am(static_cast<size_t>(k1 - k0), 0u);
-    std::vector<float> s(static_cast<size_t>(k1 - k0));
+    for (int64_t g = 0; g < ncg; ++g) {
+      const int64_t c0 = g * gc, c1 = std::min(k, c0 + gc);
+      uint32_t am = 0;
+      for (int64_t j = c0; j < c1; ++j) am = acc[j] > am ? acc[j] : am;
+      const float s = scale_of(am, f, pow2);
+      amax_out[rb * ncg + g] = u2f(am);
+      scale_out[rb * ncg + g] = s;
+      for (int64_t j = c0; j < c1; ++j) sv[j] = s;
+    }
+    const float* svp = sv.data();
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * k;
-      for (int64_t j = k0; j < k1; ++j) {
-        const uint32_t a = f2u(load<T>(xr, j)) & 0x7FFFFFFFu;
-        am[j - k0] = a > am[j - k0] ? a : am[j - k0];
-      }
-    }
-    for (int64_t j = k0; j < k1; ++j) {
-      amax_out[b * k + j] = u2f(am[j - k0]);
-      s[j - k0] = scale_of(am[j - k0], f, pow2);
-    }
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * k;
-      float* o = out + r * k;
-      for (int64_t j = k0; j < k1; ++j) {
-        const float sj = s[j - k0];
+      float* o = dq ? dq + r * k : nullptr;
+      uint8_t* q = codes ? codes + r * k : nullptr;
+      for (int64_t j = 0; j < k; ++j) {
+        const float sj = svp[j];
         float bv = load<T>(xr, j) / sj;
         bv = bv > mx ? mx : (bv < -mx ? -mx : bv);
         const uint32_t u = f2u(bv);
         const float nrm = u2f((u + half + ((u >> shift) & 1u)) & mask);
         const float ab = std::fabs(bv);
         const float sub = std::copysign((ab + c) - c, bv);
-        o[j] = (ab < thr ? sub : nrm) * sj;
+        const float rv = ab < thr ? sub : nrm;  // on the FP8 grid, |rv| <= fp8_max
+        if (o) o[j] = rv * sj;
+        if (q) {
+          const uint32_t ur = f2u(rv), ua = ur & 0x7FFFFFFFu;
+          const float ar = u2f(ua);
+          const uint32_t sub_code = static_cast<uint32_t>(ar * inv_sub);  // exact: ar is a multiple of 2**min_exp
+          const uint32_t nrm_code = ((((ua >> 23) - 127u + bias) << f.mbits) | ((ua >> shift) & mmask));
+          q[j] = static_cast<uint8_t>(((ur >> 24) & 0x80u) | (ar < thr ? sub_code : nrm_code));
+        }
       }
     }
   };
-  if (by_blocks) {
-    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) block(b, 0, k);
+  if (nrb >= 2) {
+    at::parallel_for(0, nrb, std::max<int64_t>(1, 65536 / std::max<int64_t>(gr * k, 1)), [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) block(b);
     });
   } else {
-    at::parallel_for(0, k, 256, [&](int64_t k0, int64_t k1) { block(0, k0, k1); });
+    block(0);
   }
 }
 
-std::vector<torch::Tensor> qdq(torch::Tensor x, int64_t group, bool columns, double fp8_max, int64_t mbits,
-                               int64_t min_exp, bool pow2) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "qdq: x must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qdq: x must be float32 or bfloat16");
-  TORCH_CHECK(group > 0, "qdq: group must be positive");
+// x [M, K] -> (dequantized FP32 [M, K] or empty, FP8 codes uint8 [M, K] or empty, amax, scale [ceil(M/gr), ceil(K/gc)])
+std::vector<torch::Tensor> quantize_tiles(torch::Tensor x, int64_t gr, int64_t gc, double fp8_max, int64_t mbits,
+                                          int64_t min_exp, bool pow2, bool want_dq, bool want_codes) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "quantize_tiles: x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "quantize_tiles: x must be float32 or bfloat16");
+  TORCH_CHECK(gr > 0 && gc > 0, "quantize_tiles: tile sizes must be positive");
+  TORCH_CHECK(mbits == 3 || mbits == 2, "quantize_tiles: mbits must be 3 (e4m3) or 2 (e5m2)");
   const int64_t m = x.size(0), k = x.size(1);
-  auto out = torch::empty({m, k}, x.options().dtype(at::kFloat));
-  const int64_t ng = columns ? (m + group - 1) / group : (k + group - 1) / group;
-  auto amax = columns ? torch::empty({ng, k}, out.options()) : torch::empty({m, ng}, out.options());
-  if (m == 0 || k == 0) return {out, amax};
+  auto fopt = x.options().dtype(at::kFloat);
+  auto dq = want_dq ? torch::empty({m, k}, fopt) : torch::empty({0}, fopt);
+  auto codes = want_codes ? torch::empty({m, k}, x.options().dtype(at::kByte)) : torch::empty({0}, x.options().dtype(at::kByte));
+  const int64_t nrb = (m + gr - 1) / gr, ncg = (k + gc - 1) / gc;
+  auto amax = torch::empty({nrb, ncg}, fopt);
+  auto scale = torch::empty({nrb, ncg}, fopt);
+  if (m == 0 || k == 0) return {dq, codes, amax, scale};
   const Fmt f{static_cast<float>(fp8_max), static_cast<int>(mbits), static_cast<int>(min_exp)};
+  float* dqp = want_dq ? dq.data_ptr<float>() : nullptr;
+  uint8_t* qp = want_codes ? codes.data_ptr<uint8_t>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    if (columns) cols_kernel<float>(x.data_ptr<float>(), out.data_ptr<float>(), amax.data_ptr<float>(), m, k, group, f, pow2);
-    else rows_kernel<float>(x.data_ptr<float>(), out.data_ptr<float>(), amax.data_ptr<float>(), m, k, group, f, pow2);
+    tile_kernel<float>(x.data_ptr<float>(), dqp, qp, amax.data_ptr<float>(), scale.data_ptr<float>(), m, k, gr, gc, f, pow2);
   } else {
-    auto* xp = x.data_ptr<at::BFloat16>();
-    if (columns) cols_kernel<at::BFloat16>(xp, out.data_ptr<float>(), amax.data_ptr<float>(), m, k, group, f, pow2);
-    else rows_kernel<at::BFloat16>(xp, out.data_ptr<float>(), amax.data_ptr<float>(), m, k, group, f, pow2);
+    tile_kernel<at::BFloat16>(x.data_ptr<at::BFloat16>(), dqp, qp, amax.data_ptr<float>(), scale.data_ptr<float>(), m, k,
+                              gr, gc, f, pow2);
   }
-  return {out, amax};
+  return {dq, codes, amax, scale};
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("qdq", &qdq, "fused FP8 quantize-dequantize (rows or columns groups)");
+  mod.def("quantize_tiles", &quantize_tiles, "fused FP8 quantize (+ dequantize) over tiles of gr x gc elements");
 }

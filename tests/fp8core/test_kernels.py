@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fp8core import kernels, quant
-from fp8core.quant import quantize_dequantize, quantize_dequantize_columns, quantize_reference
+from fp8core.quant import GRANULARITIES, quantize, quantize_dequantize, quantize_dequantize_columns, quantize_reference
 
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason=f"kernel not built here: {kernels.describe()}")
 
@@ -63,6 +63,27 @@ def test_kernel_bit_identical_to_torch_path(fmt, pow2, granularity, dtype):
             ref_cols = quantize_dequantize_columns(x, granularity, fmt=fmt, pow2=pow2)
         assert torch.equal(bits(got_rows), bits(ref_rows)), (name, "rows")
         assert torch.equal(bits(got_cols), bits(ref_cols)), (name, "cols")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_codes_and_scales_bit_identical(fmt, pow2, granularity, dtype):
+    """quantize() (FP8 codes + scales) and quantize_dequantize(keep_data=True) through the kernel equal the torch
+    path byte for byte, for every granularity (block128 and tensorwise included)."""
+    for name, x in _inputs():
+        x = x.to(dtype)
+        q = quantize(x, granularity, fmt=fmt, pow2=pow2)
+        dq, qk = quantize_dequantize(x, granularity, fmt=fmt, pow2=pow2, keep_data=True)
+        with torch_path():
+            r = quantize(x, granularity, fmt=fmt, pow2=pow2)
+            rdq, rk = quantize_dequantize(x, granularity, fmt=fmt, pow2=pow2, keep_data=True)
+        for a, b in ((q, r), (qk, rk)):
+            assert a.data.dtype == b.data.dtype and a.scale.shape == b.scale.shape, name
+            assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), (name, "codes")
+            assert torch.equal(bits(a.scale), bits(b.scale)), (name, "scale")
+        assert torch.equal(bits(dq), bits(rdq)), (name, "dq")
 
 
 def test_kernel_matches_reference_quantizer_and_keeps_signed_zeros():
