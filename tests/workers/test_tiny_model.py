@@ -75,3 +75,27 @@ def test_addition_assets_one_warm_start_per_seed(tmp_path):
     assert default_sft("addition", seed=2, steps=7) == SFTConfig(steps=7, lr=default_sft("addition").lr, seed=2)
     with pytest.raises(ValueError, match="data.task"):
         ensure_default_assets(tmp_path, task="nope")
+
+
+@pytest.mark.slow
+def test_addition_assets_cache_is_keyed_by_the_data_spec(tmp_path, monkeypatch):
+    """A change of the teacher's spec (here its carry-drop rate) regenerates the data and retrains the warm start;
+    the same spec reuses both (the data marker and the SFT marker record everything that shapes them)."""
+    from workers import addition_task, bootstrap
+    from workers.bootstrap import SFTConfig, ensure_default_assets
+
+    kw = dict(task="addition", spec=SMALL, n_train=50, n_validation=8, n_sft=60, log=lambda *_: None,
+              sft=SFTConfig(steps=2, batch_size=4))
+    a = ensure_default_assets(tmp_path, **kw)
+    marker = a["model_dir"] / ".complete"
+    first = json.loads(marker.read_text())
+    assert first["data"]["sft_spec"]["carry_drop"] == bootstrap.ADDITION_SFT_SPEC.carry_drop
+    assert first["steps"] == 2 and first["base"]["seed"] == SMALL.seed
+    stamp = (marker.stat().st_mtime_ns, a["sft"].stat().st_mtime_ns)
+    ensure_default_assets(tmp_path, **kw)  # same recipe: nothing rebuilt
+    assert (marker.stat().st_mtime_ns, a["sft"].stat().st_mtime_ns) == stamp
+    monkeypatch.setattr(bootstrap, "ADDITION_SFT_SPEC", addition_task.AdditionSpec(2, 4, carry_drop=0.0))
+    b = ensure_default_assets(tmp_path, **kw)
+    assert json.loads((b["model_dir"] / ".complete").read_text())["data"]["sft_spec"]["carry_drop"] == 0.0
+    rows = [json.loads(line) for line in b["sft"].read_text().splitlines()]
+    assert all(addition_task.verify(r["solution"], r["answer"])[1] for r in rows)  # a clean teacher now
