@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's "run the main job": install what is missing, then train the embedded default — the tiny Qwen3 model
-# on the synthetic math task, end-to-end FP8 recipe (configs/tiny_fp8_e2e.yaml, 20 steps), local Ray on 127.0.0.1,
+# on the scratchpad-addition task (data.task: addition; each seed its own SFT warm start), end-to-end FP8 recipe
+# (configs/tiny_fp8_e2e.yaml, 15 steps, DAPO dynamic sampling), local Ray on 127.0.0.1,
 # MLflow in a sqlite file, checkpoints on the local file system — and print where to look.
 #   scripts/run_default.sh [key=value ...]     e.g. grpo.max_num_steps=5   (overrides of the recipe)
 # Everything (caches, Ray, Prefect, MLflow, checkpoints) stays under runs/; nothing is downloaded after the install.
