@@ -298,10 +298,21 @@ class RayCfg:
     rollout_worker: WorkerResources = field(default_factory=WorkerResources)
 
 
+PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+
+
 @dataclass(frozen=True)
 class ClusterCfg:
+    """The run's workers on Ray. ``rollout_workers`` vLLM engines (each ``ray.rollout_worker`` resources) share every
+    step's prompt groups; ``policy_workers`` trainers (each ``ray.policy_worker``); all of them in one Ray placement
+    group with ``placement_strategy``. ``num_nodes`` / ``gpus_per_node`` are the seed's keys: checked against the
+    workers' GPUs (more than one node needs ``ray.address``)."""
+
     num_nodes: int = 1
     gpus_per_node: int = 0
+    rollout_workers: int = 1
+    policy_workers: int = 1  # data-parallel trainers are not implemented yet: only 1
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
 
 
 @dataclass(frozen=True)
@@ -466,10 +477,21 @@ def _validate(c: Config):
            "num_nodes must be >= 1 and gpus_per_node >= 0")
     _check(c.cluster.num_nodes == 1 or c.ray.address is not None, "cluster.num_nodes",
            f"{c.cluster.num_nodes} nodes need an existing Ray cluster: set ray.address")
-    gpus = c.ray.policy_worker.num_gpus + c.ray.rollout_worker.num_gpus
+    _check(c.cluster.rollout_workers >= 1, "cluster.rollout_workers",
+           f"must be >= 1 (the number of vLLM engines), got {c.cluster.rollout_workers}")
+    _check(c.cluster.policy_workers == 1, "cluster.policy_workers",
+           f"{c.cluster.policy_workers}: data-parallel trainers (sharded FP8 policy workers) are not implemented yet; "
+           "set it to 1 (scale rollouts with cluster.rollout_workers)")
+    for name, w in (("policy_worker", c.ray.policy_worker), ("rollout_worker", c.ray.rollout_worker)):
+        _check(w.num_cpus >= 0 and w.num_gpus >= 0, f"ray.{name}.num_cpus", "resources must be >= 0")
+        _check(w.num_cpus > 0 or w.num_gpus > 0, f"ray.{name}.num_cpus",
+               "a worker needs CPUs or GPUs (its placement-group bundle cannot be empty)")
+    gpus = (c.cluster.policy_workers * c.ray.policy_worker.num_gpus
+            + c.cluster.rollout_workers * c.ray.rollout_worker.num_gpus)
     _check(gpus <= c.cluster.num_nodes * c.cluster.gpus_per_node, "cluster.gpus_per_node",
-           f"ray.policy_worker.num_gpus + ray.rollout_worker.num_gpus = {gpus} exceed cluster.num_nodes * "
-           f"cluster.gpus_per_node = {c.cluster.num_nodes * c.cluster.gpus_per_node}")
+           f"cluster.policy_workers x ray.policy_worker.num_gpus + cluster.rollout_workers x "
+           f"ray.rollout_worker.num_gpus = {gpus} exceed cluster.num_nodes * cluster.gpus_per_node = "
+           f"{c.cluster.num_nodes * c.cluster.gpus_per_node}")
     if not vc.kv_fp8:
         _check(vc.kv_cache_impl == "auto", "policy.generation.vllm_cfg.kv_cache_impl",
                f"{vc.kv_cache_impl} only applies with policy.generation.vllm_cfg.kv_cache_dtype=fp8")

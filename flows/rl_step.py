@@ -23,7 +23,7 @@ def rl_step(ctx: RunContext, rows: list[dict], step: int, kv_scales: dict | None
     t0 = time.perf_counter()
     m: dict[str, float] = {}
     m.update(rl.refit(ctx, kv_scales))
-    ref, rm = rl.rollout(ctx, rows, step)
+    ref, rm = rl.rollout(ctx, rows, step, weights_version=int(m["refit/weights_version"]))
     m.update(rm)
     rewards, wm = rl.reward(ref, rows)
     m.update(wm)

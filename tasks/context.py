@@ -39,7 +39,7 @@ class CheckpointTarget:
 @dataclass(frozen=True)
 class RunContext:
     policy: str  # Ray actor names (tasks look actors up by name; handles never cross Prefect)
-    rollout: str
+    rollouts: tuple[str, ...]  # the vLLM engines (cluster.rollout_workers): each step's prompt groups are split over them
     run_id: str | None  # MLflow
     tracking_uri: str | None
     model_dir: str
@@ -55,11 +55,11 @@ class RunContext:
     eval: EvalParams = EvalParams(n=0, ks=(), max_prompts=0, n_boot=2000)
 
     @classmethod
-    def from_config(cls, cfg, *, policy: str, rollout: str, run_id: str | None, tracking_uri: str | None,
+    def from_config(cls, cfg, *, policy: str, rollouts: tuple[str, ...], run_id: str | None, tracking_uri: str | None,
                     model_dir: str, checkpoint_uri: str | None) -> RunContext:
         gen, cal, ck, ev = cfg.policy.generation, cfg.calibration, cfg.checkpointing, cfg.evaluation
         spec = cfg.rollout_fp8_spec()
-        return cls(policy=policy, rollout=rollout, run_id=run_id, tracking_uri=tracking_uri, model_dir=str(model_dir),
+        return cls(policy=policy, rollouts=tuple(rollouts), run_id=run_id, tracking_uri=tracking_uri, model_dir=str(model_dir),
                    seed=cfg.grpo.seed, recipe=cfg.recipe,
                    gen=GenParams(n=cfg.grpo.num_generations_per_prompt, max_tokens=gen.max_new_tokens,
                                  temperature=gen.temperature, top_p=gen.top_p),

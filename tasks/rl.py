@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RunContext
 from tasks.tracking import log_metrics
-from workers.cluster import actor
+from workers.cluster import actor, split_groups
 from workers.verifiers import verify
 
 TASK = dict(cache_policy=NO_CACHE, log_prints=False)
@@ -36,29 +36,47 @@ def prompts_for(model_dir: str, rows: list[dict]) -> list[str]:
 
 @task(name="refit", **TASK, retries=1, retry_delay_seconds=2)
 def refit(ctx: RunContext, kv_scales: dict | None = None) -> dict:
-    """Policy weights (+ the KV scales the flow hands over, computed by ``calibrate``) -> rollout engine, actor to
-    actor through the object store. The engine refuses scales staler than calibration.kv_scales_period allows."""
+    """Policy weights (+ the KV scales the flow hands over, computed by ``calibrate``) -> every rollout engine,
+    actor to actors through the object store: the policy's ``refit_weights`` result is one object that each engine
+    fetches (one put, N gets; nothing passes through the driver). Each engine records the policy step it loaded
+    (``refit/weights_version``; rollouts check it) and refuses KV scales staler than calibration.kv_scales_period
+    allows."""
     t0 = time.perf_counter()
-    policy, rollout = actor(ctx.policy), actor(ctx.rollout)
+    policy = actor(ctx.policy)
     version = ray.get(policy.info.remote())["step"]  # the policy step of the weights (KV scales are checked against it)
     weights = policy.refit_weights.remote()  # FP8 codes + scales for end-to-end FP8, else FP32 masters
-    engine_s = ray.get(rollout.refit.remote(weights, kv_scales if ctx.kv_fp8 else None, weights_version=version))
-    return {"time/refit_s": time.perf_counter() - t0, "time/refit_engine_s": engine_s}
+    scales = kv_scales if ctx.kv_fp8 else None
+    engine_s = ray.get([actor(name).refit.remote(weights, scales, weights_version=version) for name in ctx.rollouts])
+    return {"time/refit_s": time.perf_counter() - t0, "time/refit_engine_s": max(engine_s),
+            "time/refit_engine_mean_s": sum(engine_s) / len(engine_s), "refit/weights_version": float(version)}
 
 
 @task(name="rollout", **TASK)
-def rollout(ctx: RunContext, rows: list[dict], step: int) -> tuple[ray.ObjectRef, dict]:
-    """Sample ``n`` responses per prompt; returns the Ray ref of the rollouts and throughput metrics."""
+def rollout(ctx: RunContext, rows: list[dict], step: int,
+            weights_version: int | None = None) -> tuple[ray.ObjectRef, dict]:
+    """Sample ``n`` responses per prompt on the rollout engines: the prompts (whole GRPO groups) are split into
+    consecutive ranges, one per engine, generated concurrently and gathered in prompt order into one object in
+    Ray's object store (on the first engine; with one engine its own result). Per-prompt seeds do not depend on the
+    split. ``weights_version``: the policy step the refit loaded; an engine holding other weights refuses.
+    Returns the Ray ref of the rollouts and throughput metrics."""
     t0 = time.perf_counter()
     g = ctx.gen
-    ref = actor(ctx.rollout).generate.remote(prompts_for(ctx.model_dir, rows), n=g.n,
-                                                max_tokens=g.max_tokens, temperature=g.temperature,
-                                                top_p=g.top_p, seed=ctx.seed * 1_000_003 + step * 9973)
+    prompts = prompts_for(ctx.model_dir, rows)
+    seed = ctx.seed * 1_000_003 + step * 9973  # prompt i gets seed + i * n on whichever engine runs it
+    ranges = split_groups(len(prompts), len(ctx.rollouts))
+    engines = [actor(name) for name in ctx.rollouts[:len(ranges)]]
+    parts = [e.generate.remote(prompts[a:b], n=g.n, max_tokens=g.max_tokens, temperature=g.temperature,
+                               top_p=g.top_p, seed=seed + a * g.n, weights_version=weights_version)
+             for e, (a, b) in zip(engines, ranges, strict=True)]
+    ref = parts[0] if len(parts) == 1 else engines[0].gather.remote(*parts)
     ray.wait([ref], fetch_local=False)
-    stats = ray.get(actor(ctx.rollout).stats.remote())
+    stats = ray.get([e.stats.remote() for e in engines])
     wall = time.perf_counter() - t0
-    return ref, {"time/rollout_s": wall, "throughput/rollout_tokens_per_s": stats["last_generated_tokens"] / wall,
-                 "rollout/generated_tokens": float(stats["last_generated_tokens"])}
+    tokens = sum(s["last_generated_tokens"] for s in stats)
+    gen_s = [s["last_generate_s"] or 0.0 for s in stats]
+    return ref, {"time/rollout_s": wall, "throughput/rollout_tokens_per_s": tokens / wall,
+                 "rollout/generated_tokens": float(tokens), "rollout/engines": float(len(engines)),
+                 "time/rollout_engine_max_s": max(gen_s), "time/rollout_engine_min_s": min(gen_s)}
 
 
 def _verify(row: dict, text: str) -> tuple[bool, bool]:
@@ -112,12 +130,14 @@ def _generate_rows(ctx: RunContext, rows: list[dict], *, n: int, temperature: fl
                    seed0: int) -> list[dict]:
     """``n`` completions per row, grpo.val_batch_size prompts per engine call; prompt g gets seed ``seed0 + g*n``
     (independent of the chunking, the same at every validation step: common random numbers across steps)."""
-    prompts, bs, outs = prompts_for(ctx.model_dir, rows), ctx.val_batch_size, []
-    for i in range(0, len(prompts), bs):
-        outs += ray.get(actor(ctx.rollout).generate.remote(
-            prompts[i:i + bs], n=n, max_tokens=ctx.gen.max_tokens, temperature=temperature, top_p=top_p,
-            seed=seed0 + i * n))
-    return outs
+    prompts, bs = prompts_for(ctx.model_dir, rows), ctx.val_batch_size
+    # fan-out: consecutive prompt ranges per engine (workers.cluster.split_groups), each in calls of bs prompts; all
+    # calls issued at once (each engine runs its own in order), gathered in prompt order
+    refs = [actor(ctx.rollouts[k]).generate.remote(
+                prompts[i:min(i + bs, b)], n=n, max_tokens=ctx.gen.max_tokens, temperature=temperature,
+                top_p=top_p, seed=seed0 + i * n)
+            for k, (a, b) in enumerate(split_groups(len(prompts), len(ctx.rollouts))) for i in range(a, b, bs)]
+    return [o for part in ray.get(refs) for o in part]
 
 
 def _fault(correct: list[bool], drop: float, seed: int) -> set[int]:

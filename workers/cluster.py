@@ -157,7 +157,8 @@ def init_ray(cfg: Config, run_dir: Path, auth: dict[str, str] | None = None) -> 
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
         return True
-    need = cfg.ray.policy_worker.num_cpus + cfg.ray.rollout_worker.num_cpus
+    need = (cfg.cluster.policy_workers * cfg.ray.policy_worker.num_cpus
+            + cfg.cluster.rollout_workers * cfg.ray.rollout_worker.num_cpus)
     num_cpus = cfg.ray.num_cpus or max(int(need + 0.999), os.cpu_count() or 1)
     tmp = ray_temp_dir(run_dir)
     Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -168,12 +169,46 @@ def init_ray(cfg: Config, run_dir: Path, auth: dict[str, str] | None = None) -> 
     return True
 
 
+PLACEMENT_TIMEOUT_S = 120.0
+
+
 @dataclass
 class Workers:
     policy_name: str
-    rollout_name: str
+    rollout_names: tuple[str, ...]  # cluster.rollout_workers vLLM engines
     policy: object  # ray actor handles: keep them alive for the run
-    rollout: object
+    rollouts: tuple
+    placement_group: object | None = None
+
+    @property
+    def rollout(self):
+        """The first engine (what all engines share: KV mode, CPU kind of the node, ...)."""
+        return self.rollouts[0]
+
+
+def split_groups(num_prompts: int, num_engines: int) -> list[tuple[int, int]]:
+    """Consecutive ``[start, end)`` prompt ranges, one per engine that gets work: whole GRPO groups (a prompt and
+    its ``n`` samples stay on one engine), sizes differing by at most one, the larger ones first."""
+    if num_prompts < 0 or num_engines < 1:
+        raise ValueError(f"need num_prompts >= 0 and num_engines >= 1, got {num_prompts}, {num_engines}")
+    k = max(1, min(num_engines, num_prompts))
+    base, extra = divmod(num_prompts, k)
+    out, start = [], 0
+    for i in range(k):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def placement_bundles(cfg: Config) -> list[dict[str, float]]:
+    """The run's Ray placement-group bundles: ``cluster.policy_workers`` policy bundles first, then one per rollout
+    engine (``ray.{policy,rollout}_worker.{num_cpus,num_gpus}``; zero amounts left out)."""
+    def bundle(w) -> dict[str, float]:
+        return {k: float(v) for k, v in (("CPU", w.num_cpus), ("GPU", w.num_gpus)) if v > 0}
+
+    return ([bundle(cfg.ray.policy_worker)] * cfg.cluster.policy_workers
+            + [bundle(cfg.ray.rollout_worker)] * cfg.cluster.rollout_workers)
 
 
 def rollout_config(cfg: Config):
@@ -232,9 +267,13 @@ def _policy_actor_class():
 
 
 def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Workers:
-    """Create the run's PolicyWorker and RolloutWorker actors (named ``fp8grpo-{policy,rollout}-{tag}``) and wait
-    until both are constructed (errors surface here, with the actor's traceback)."""
+    """Reserve the run's placement group (``cluster.placement_strategy``; fails with the bundles and the cluster's
+    resources if Ray cannot place it), create the PolicyWorker and ``cluster.rollout_workers`` RolloutWorkers in
+    its bundles (named ``fp8grpo-policy-{tag}``, ``fp8grpo-rollout-{tag}-{k}``) and wait until all are constructed
+    (errors surface here, with the actor's traceback)."""
     import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from fp8core.cpu import cap_env
     from workers.rollout import RolloutWorker
@@ -249,34 +288,63 @@ def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Work
     # instead of 0.12 ms when every free returned them to the OS
     malloc = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
     env_r = {"OMP_NUM_THREADS": str(threads), **malloc, **cap}
-    names = (f"fp8grpo-policy-{tag}", f"fp8grpo-rollout-{tag}")
+    n = cfg.cluster.rollout_workers
+    bundles = placement_bundles(cfg)
+    strategy = cfg.cluster.placement_strategy
+    pg = placement_group(bundles, strategy=strategy, name=f"fp8grpo-{tag}")
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"cluster.placement_strategy={strategy}: Ray could not place the workers' bundles {bundles} "
+            f"(cluster.policy_workers={cfg.cluster.policy_workers}, cluster.rollout_workers={n}) within "
+            f"{PLACEMENT_TIMEOUT_S:.0f}s; the cluster has {ray.cluster_resources()}. Lower ray.*_worker.num_cpus / "
+            "num_gpus or cluster.rollout_workers, add nodes, or relax the strategy (STRICT_* -> PACK / SPREAD)")
+
+    def in_bundle(i: int):
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+
+    policy_name = f"fp8grpo-policy-{tag}"
+    names = tuple(f"fp8grpo-rollout-{tag}-{k}" for k in range(n))
     policy = ray.remote(_policy_actor_class()).options(
-        name=names[0], num_cpus=pw.num_cpus, num_gpus=pw.num_gpus, runtime_env={"env_vars": env_p},
-        max_concurrency=1).remote(str(model_dir), cfg, run_dir=str(run_dir))
-    rollout = ray.remote(RolloutWorker).options(
-        name=names[1], num_cpus=rw.num_cpus, num_gpus=rw.num_gpus, runtime_env={"env_vars": env_r},
-        max_concurrency=1).remote(str(model_dir), rollout_config(cfg), run_dir=str(run_dir))
-    ray.get([policy.info.remote(), rollout.stats.remote()])
-    return Workers(names[0], names[1], policy, rollout)
+        name=policy_name, num_cpus=pw.num_cpus, num_gpus=pw.num_gpus, runtime_env={"env_vars": env_p},
+        max_concurrency=1, scheduling_strategy=in_bundle(0)).remote(str(model_dir), cfg, run_dir=str(run_dir))
+    rollouts = tuple(ray.remote(RolloutWorker).options(
+        name=names[k], num_cpus=rw.num_cpus, num_gpus=rw.num_gpus, runtime_env={"env_vars": env_r},
+        max_concurrency=1, scheduling_strategy=in_bundle(cfg.cluster.policy_workers + k)).remote(
+            str(model_dir), rollout_config(cfg), run_dir=str(run_dir)) for k in range(n))
+    workers = Workers(policy_name, names, policy, rollouts, pg)
+    try:
+        ray.get([policy.info.remote(), *(r.stats.remote() for r in rollouts)])
+    except BaseException:
+        stop_workers(workers, graceful=False)
+        raise
+    return workers
 
 
 def stop_workers(workers: Workers | None, *, graceful: bool = True) -> None:
-    """End the run's actors. ``graceful``: ask each engine to shut down first (waits for a call in progress, up to
-    60 s); a cancelled or failed run kills them at once (``ray.kill``: the actor process and its in-process vLLM
-    engine end within seconds)."""
+    """End the run's actors and release their placement group. ``graceful``: ask each engine to shut down first
+    (waits for a call in progress, up to 60 s); a cancelled or failed run kills them at once (``ray.kill``: the actor
+    process and its in-process vLLM engine end within seconds)."""
     import ray
+    from ray.util.placement_group import remove_placement_group
 
     if workers is None:
         return
     if graceful:
         try:
-            ray.get(workers.rollout.shutdown.remote(), timeout=60)
+            ray.get([r.shutdown.remote() for r in workers.rollouts], timeout=60)
         except Exception:  # noqa: BLE001 - best effort before the kill
             pass
-    for handle in (workers.rollout, workers.policy):
+    for handle in (*workers.rollouts, workers.policy):
         try:
             ray.kill(handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already dead
+            pass
+    if workers.placement_group is not None:
+        try:
+            remove_placement_group(workers.placement_group)
+        except Exception:  # noqa: BLE001 - Ray already shut down
             pass
 
 
