@@ -125,6 +125,10 @@ def _fmt(v, spec=".2f"):
 
 def table(res: dict) -> str:
     rows = ["| metric | value | target |", "|---|---|---|"]
+    la, lb = res.get("load_average_start"), res.get("load_average_end")
+    if la is not None and lb is not None:
+        rows.append(f"| 1-min load average at start / end (other work on the machine skews the ratios) | "
+                    f"{la:.1f} / {lb:.1f} | quiet: below the core count |")
     steps, trl = res.get("steps", {}), res.get("trl")
     bf, f8 = (steps.get(k, {}).get("median", {}).get("step_s") for k in ("bf16", "fp8"))
     t = trl["median_step_s"] if trl else None
@@ -178,7 +182,8 @@ def log_mlflow(res: dict, uri: str) -> str | None:
         flat[f"ratio/{k}"] = v
     with mlflow.start_run(run_name=f"bench-{time.strftime('%Y%m%d-%H%M%S')}") as run:
         mlflow.log_params({f"cpu/{k}": str(v)[:500] for k, v in res["cpu"].items()})
-        mlflow.log_params({"torch": torch.__version__, "threads_numerics": 1})
+        mlflow.log_params({"torch": torch.__version__, "threads_numerics": 1,
+                           "qdq_kernel": str(res.get("qdq_kernel", "n/a"))[:500]})
         mlflow.log_metrics({k.replace(">", "to"): float(v) for k, v in flat.items() if isinstance(v, (int, float))})
         mlflow.log_text(res["table"], "bench_table.md")
         return run.info.run_id
@@ -201,7 +206,11 @@ def main(argv=None) -> int:
     apply_cpu_cap()  # FP8GRPO_CPU_CAP=avx2 measures this machine as an AVX2-only one (before any op / vLLM import)
     (ROOT / "runs" / "bench").mkdir(parents=True, exist_ok=True)
     res: dict = {"cpu": cpu_line(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    print(f"# bench: {res['cpu']}; torch {torch.__version__}; load average "
+    from fp8core import kernels
+
+    res["qdq_kernel"] = kernels.describe()
+    res["load_average_start"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    print(f"# bench: {res['cpu']}; torch {torch.__version__}; quantize: {res['qdq_kernel']}; load average "
           f"{os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan'):.1f}", flush=True)
     from workers.policy import keep_freed_heap_memory
 
@@ -229,6 +238,7 @@ def main(argv=None) -> int:
     if len(meds) == 2:
         ratios["p3_fp8_over_bf16"] = meds["fp8"] / meds["bf16"]
     res["ratios"] = ratios
+    res["load_average_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     res["table"] = table(res)
     print(res["table"])
     (ROOT / "runs" / "bench" / "latest.json").write_text(json.dumps(res, indent=1, default=str))

@@ -70,6 +70,10 @@ def convert_to_fp8(model: nn.Module, config: FP8LinearConfig, *, num_first_layer
                 parent = layers[i].get_submodule(parent_name) if parent_name else layers[i]
                 setattr(parent, child, FP8Linear.from_linear(module, config))
             converted.append(f"{prefix}.{i}.{name}")
+    if converted:
+        from fp8core import kernels
+
+        kernels.load()  # build/load the fused quantize kernel now (logged), not inside the first training step
     return converted
 
 

@@ -197,6 +197,9 @@ class Fp8CoreLinearMethod(LinearMethodBase):
 
     def __init__(self, config: Fp8CoreConfig):
         self.config = config
+        from fp8core import kernels
+
+        kernels.load()  # the fused quantize kernel (built once per CPU kind, logged) before the first forward
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
