@@ -1,7 +1,9 @@
 """Subflow ``rl_step``: refit (weights + KV scales) -> rollout -> reward -> train -> calibrate, each a Prefect task.
 
 Returns the step's metrics (and the KV scales for the next refit): everything the tasks reported plus ``time/step_s``, each task's share of the step
-(``time/share_<task>``), the calibration share (KV scales + Calibrated Clipping) and ``throughput/samples_per_s``."""
+(``time/share_<task>``), the calibration share (KV scales + Calibrated Clipping), the orchestration overhead
+(``time/orchestration_s``, ``time/share_orchestration``: step time not spent in the workers' own work), the refit +
+KV-calibration share (``time/share_refit_kv``) and ``throughput/samples_per_s``."""
 
 from __future__ import annotations
 
@@ -36,6 +38,14 @@ def rl_step(ctx: RunContext, rows: list[dict], step: int, kv_scales: dict | None
     for phase in PHASES:
         m[f"time/share_{phase}"] = m.get(f"time/{phase}_s", 0.0) / step_s
     m["time/share_calibration"] = (m.get("time/calibrate_s", 0.0) + m.get("time/clip_calibration_s", 0.0)) / step_s
+    # Orchestration: the step's wall time not spent in the workers' own work (Prefect task/subflow overhead, Ray
+    # calls and transfers of the rollout and train tasks, MLflow logging inside the tasks). Refit and KV calibration
+    # are their own budget line (time/share_refit_kv).
+    worker_s = sum(m.get(k, 0.0) for k in ("time/refit_s", "time/rollout_engine_max_s", "time/reward_s",
+                                            "time/policy_train_s", "time/calibrate_s"))
+    m["time/orchestration_s"] = max(step_s - worker_s, 0.0)
+    m["time/share_orchestration"] = m["time/orchestration_s"] / step_s
+    m["time/share_refit_kv"] = (m.get("time/refit_s", 0.0) + m.get("time/calibrate_s", 0.0)) / step_s
     m["throughput/samples_per_s"] = len(rewards) / step_s
     log_metrics(ctx.tracking_uri, ctx.run_id, {k: v for k, v in m.items() if k not in tm}, step)
     return m, (new_scales if new_scales is not None else kv_scales)

@@ -11,7 +11,7 @@ METRICS = ["reward/mean", "val/accuracy", "mismatch/token_mult_prob_error", "mis
            "response/length_mean", "is/weight_mean", "kv/k_scale_mean", "kv/v_scale_max", "loss/pg", "train/grad_norm",
            "throughput/rollout_tokens_per_s", "throughput/train_tokens_per_s", "time/step_s", "time/rollout_s",
            "time/train_s", "time/refit_s", "time/share_rollout", "time/share_train", "time/share_calibration",
-           "time/checkpoint_s"]
+           "time/checkpoint_s", "time/orchestration_s", "time/share_orchestration", "time/share_refit_kv"]
 
 
 
@@ -48,6 +48,9 @@ def test_tiny_fp8_two_steps_then_resume_from_s3(tmp_path, moto_s3, capsys):
     run = c.get_run(s1["mlflow_run_id"])
     missing = [k for k in METRICS if k not in run.data.metrics]
     assert not missing, missing
+    # the overhead shares are fractions of the step (what the bench's orchestration row reads)
+    assert 0.0 <= run.data.metrics["time/share_orchestration"] < 1.0
+    assert 0.0 < run.data.metrics["time/share_refit_kv"] < 1.0
     assert run.data.tags["recipe"] == "tiny_fp8_e2e_kv" and run.data.tags["precision"] == "fp8-e2e-kvfp8"
     assert run.data.params["policy.megatron_cfg.fp8_cfg.fp8_recipe"] == "blockwise"
     assert run.data.params["policy.generation.vllm_cfg.kv_cache_dtype"] == "fp8"
