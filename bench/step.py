@@ -22,7 +22,9 @@ def recipe_overrides(w: Workload) -> list[str]:
     return [f"grpo.num_prompts_per_step={w.num_prompts}", f"grpo.num_generations_per_prompt={w.num_generations}",
             f"policy.train_global_batch_size={w.global_batch}", f"policy.train_micro_batch_size={w.micro_batch}",
             f"policy.generation.max_new_tokens={w.max_new_tokens}", f"policy.optimizer.lr={w.lr}",
-            f"grpo.seed={w.seed}"]
+            f"grpo.seed={w.seed}",
+            # TRL's GRPOTrainer trains on every group; DAPO's filter would drop identical-reward groups (less work)
+            "grpo.dynamic_sampling=false"]
 
 
 def run_project(recipe: str, w: Workload, *, steps: int = 4, overrides: tuple[str, ...] = ()) -> dict:
