@@ -33,6 +33,13 @@ def test_stack_status_reports_all_services(stack):
     for name in ("mlflow", "prefect-server", "worker"):
         assert st["services"][name]["running"] and st["services"][name]["healthy"], st
     assert st["prefect_api_url"].startswith("http://127.0.0.1:") and st["mlflow_url"].startswith("http://127.0.0.1:")
+    # flow runs inherit the worker's environment: Ray token auth with the stack's 0600 token file (issue 13)
+    from _ops import proc_env
+
+    token = stack["run_dir"] / "ray_auth_token"
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+    worker_env = proc_env(st["services"]["worker"]["pid"])
+    assert worker_env.get("RAY_AUTH_MODE") == "token" and worker_env.get("RAY_AUTH_TOKEN_PATH") == str(token)
     deployments = rest(f"{stack['prefect_api_url']}/deployments/filter", {})
     names = {d["name"]: d for d in deployments}
     assert {"fp8-grpo", "nightly-regression"} <= set(names)
@@ -80,7 +87,8 @@ def test_deployment_run_two_steps_to_mlflow_and_s3(stack, moto, faulty_s3, s3_cr
     print(f"injected transient S3 errors (retried): {len(proxy.injected)}: {sorted(set(proxy.injected))}")
 
     # Credentials never reach MLflow (params, tags, text artifacts) nor the flow run's Prefect logs.
-    secrets_ = [s3_credentials["AWS_SECRET_ACCESS_KEY"], s3_credentials["AWS_ACCESS_KEY_ID"]]
+    secrets_ = [s3_credentials["AWS_SECRET_ACCESS_KEY"], s3_credentials["AWS_ACCESS_KEY_ID"],
+                (stack["run_dir"] / "ray_auth_token").read_text()]  # and the Ray token
     blob = json.dumps(run)
     arts = rest(f"{base}/api/2.0/mlflow/artifacts/list?" + urllib.parse.urlencode({"run_id": run_id}))
     for f in arts.get("files", []):
@@ -94,7 +102,7 @@ def test_deployment_run_two_steps_to_mlflow_and_s3(stack, moto, faulty_s3, s3_cr
     blob += json.dumps(logs) + json.dumps(flow_runs[0]["parameters"])
     assert "config.resolved.yaml" in blob or any("config" in f["path"] for f in arts.get("files", []))
     for s in secrets_:
-        assert s not in blob, "S3 credential leaked into MLflow or Prefect logs"
+        assert s not in blob, "S3 credential or Ray token leaked into MLflow or Prefect logs"
 
 
 def _artifact_text(base: str, run_id: str, path: str) -> str:
