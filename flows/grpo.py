@@ -94,7 +94,15 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         ui_url,
     )
     from workers.checkpoint import CheckpointStore
-    from workers.cluster import apply_env, check_rollout_kv, init_ray, ray_auth, start_workers, stop_workers
+    from workers.cluster import (
+        apply_env,
+        check_rollout_kv,
+        init_ray,
+        ray_auth,
+        start_workers,
+        stop_workers,
+        worker_nodes,
+    )
     from workers.data import PromptSource
     from workers.eval_sets import check_eval_paths, load_eval_sets
     from workers.watchdog import start_watchdog
@@ -166,13 +174,14 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         r_stats, p_cpu = ray.get([workers.rollout.stats.remote(), workers.policy.cpu.remote()])
         _say(f"workers up in {time.perf_counter() - t0:.1f}s: policy {info['num_params'] / 1e6:.2f}M params "
              f"({info['fp8_layers']} FP8 linears, CPU kind {p_cpu['kind']}), rollout {len(workers.rollouts)} x vLLM "
-             f"{cfg.policy.generation.vllm_cfg.precision} kv={r_stats['kv_mode']} (CPU kind {r_stats['cpu']['kind']})")
+             f"{cfg.policy.generation.vllm_cfg.precision} kv={r_stats['kv_mode']} (CPU kind {r_stats['cpu']['kind']}); "
+             f"on {worker_nodes(workers)} Ray node(s)")
         # Tags, not params: a resumed run may land on another CPU (params are immutable in MLflow).
         cpu.update(cpu_kind=p_cpu["kind"], cpu_rollout_kind=r_stats["cpu"]["kind"], kv_mode=r_stats["kv_mode"])
         set_tags(uri, run_id, {"cpu/kind": caps.kind, "cpu/rollout_kind": r_stats["cpu"]["kind"],
                                "cpu/policy_kind": p_cpu["kind"], "cpu/cap": caps.cap or "none",
                                "rollout/kv_mode": r_stats["kv_mode"], "policy/bf16_mode": info["bf16_mode"],
-                               "rollout/bf16_mode": r_stats["bf16_mode"]})
+                               "rollout/bf16_mode": r_stats["bf16_mode"], "cluster/nodes": worker_nodes(workers)})
         ctx = RunContext.from_config(cfg, policy=workers.policy_name, rollouts=workers.rollout_names, run_id=run_id,
                                      tracking_uri=uri, model_dir=str(model_dir), checkpoint_uri=ck_uri)
         kv_scales = None  # FP8 KV cache: calibrated on the policy, handed to every refit (they carry their step)

@@ -283,11 +283,14 @@ def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Work
     # FP8GRPO_CPU_CAP (+ ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA when it lowers this node's kind) reach the actors
     # before they import torch; each actor also applies the cap itself (fp8core.cpu.apply_cpu_cap) before vLLM.
     cap = cap_env()
-    env_p = {"OMP_NUM_THREADS": str(cfg.policy.threads), **cap}
+    # the run's caches and offline switches as this driver has them (apply_env): actors on other nodes of a
+    # ray.address cluster do not inherit the driver's environment
+    run_env = {k: os.environ[k] for k in cache_env(run_dir) if k in os.environ}
+    env_p = {**run_env, "OMP_NUM_THREADS": str(cfg.policy.threads), **cap}
     # glibc: keep large buffers mapped (the trainer does the same with mallopt): two 5 MB allocations took 3.9 ms
     # instead of 0.12 ms when every free returned them to the OS
     malloc = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-    env_r = {"OMP_NUM_THREADS": str(threads), **malloc, **cap}
+    env_r = {**run_env, "OMP_NUM_THREADS": str(threads), **malloc, **cap}
     n = cfg.cluster.rollout_workers
     bundles = placement_bundles(cfg)
     strategy = cfg.cluster.placement_strategy
@@ -320,6 +323,16 @@ def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Work
         stop_workers(workers, graceful=False)
         raise
     return workers
+
+
+def worker_nodes(workers: Workers) -> int:
+    """How many Ray nodes host the run's workers (where Ray placed the placement group's bundles)."""
+    from ray.util import placement_group_table
+
+    if workers.placement_group is None:
+        return 1
+    table = placement_group_table(workers.placement_group)
+    return len(set((table.get("bundles_to_node_id") or {}).values())) or 1
 
 
 def stop_workers(workers: Workers | None, *, graceful: bool = True) -> None:

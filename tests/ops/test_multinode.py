@@ -1,0 +1,72 @@
+"""A real multi-node path on one machine (issue 13, item 4): ``scripts/cluster`` starts a Ray head and a worker node as
+separate ``ray start`` processes with token authentication; ``python -m flows.grpo`` connects with ``ray.address``
+and ``ray.auth_token_path`` and runs 2 rollout engines + the policy spread over the two nodes (the head has room for
+one bundle only), writes a checkpoint and MLflow metrics, then a second run resumes from that checkpoint on the
+same cluster. ``scripts/cluster stop`` leaves none of the cluster's processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from _ops import ROOT, TINY, run_logged
+
+CLUSTER = [sys.executable, str(ROOT / "scripts" / "cluster.py")]
+
+
+def _cluster_pids(d) -> list[int]:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from cluster import MARK, _marked  # noqa: PLC0415
+
+    assert MARK == "FP8_GRPO_CLUSTER"
+    return _marked(str(d))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_two_nodes_two_engines_checkpoint_and_resume(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    d = tmp_path / "cluster"
+    t0 = time.monotonic()
+    r = subprocess.run([*CLUSTER, "start", "--dir", str(d), "--workers", "1", "--head-cpus", "1",
+                        "--worker-cpus", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr + (d / "cluster.log").read_text()[-3000:]
+        print(f"\n[cluster up in {time.monotonic() - t0:.1f}s]\n{r.stdout}")
+        state = json.loads((d / "cluster.json").read_text())
+        token = d / "ray_auth_token"
+        assert state["token_path"] == str(token) and token.stat().st_mode & 0o777 == 0o600
+        assert token.read_text() not in r.stdout + r.stderr
+        # the driver knows the cluster only from the config: no RAY_AUTH_* / RAY_ADDRESS of its own
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
+        db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        base = ["configs/tiny_fp8_e2e.yaml", *TINY, f"run_dir={tmp_path / 'run'}", f"logger.mlflow.tracking_uri={db}",
+                f"ray.address={state['address']}", f"ray.auth_token_path={token}", "cluster.rollout_workers=2",
+                "cluster.placement_strategy=SPREAD", "grpo.val_at_start=false"]
+        r1 = run_logged([sys.executable, "-m", "flows.grpo", *base, "grpo.max_num_steps=1"], env=env, timeout=1200)
+        assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
+        assert "rollout 2 x vLLM" in r1.stdout and "on 2 Ray node(s)" in r1.stdout, r1.stdout[-3000:]
+        r2 = run_logged([sys.executable, "-m", "flows.grpo", *base, "grpo.max_num_steps=2",
+                         "checkpointing.resume=true"], env=env, timeout=1200)
+        assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
+        assert "resume: checkpoint" in r2.stdout and "(step 1)" in r2.stdout and "on 2 Ray node(s)" in r2.stdout
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        assert (summary["first_step"], summary["last_step"]) == (2, 2)
+
+        c = MlflowClient(tracking_uri=db)
+        run = c.get_run(summary["mlflow_run_id"])
+        assert run.info.status == "FINISHED" and run.data.tags["cluster/nodes"] == "2"
+        for key in ("reward/mean", "rollout/engines", "mismatch/token_mult_prob_error"):
+            assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == [1, 2], key
+        assert {m.value for m in c.get_metric_history(run.info.run_id, "rollout/engines")} == {2.0}
+    finally:
+        s = subprocess.run([*CLUSTER, "stop", "--dir", str(d)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        print(s.stdout + s.stderr)
+    assert s.returncode == 0 and not _cluster_pids(d), s.stdout
