@@ -11,8 +11,9 @@ Rows (ratios; lower is better unless said otherwise):
   model's shapes and at 1024 -> 4096; BF16 linear (autocast, emulated) / FP32.
 * refit share of the step; the step's profile (old-logprob pass, train forward/backward, optimizer, rollout,
   reward, refit), medians of steps 2..N.
-Project steps are timed in-process (bench/step.py: no Prefect/Ray/MLflow; the flow adds those, ~0.7% of a step as
-measured in DESIGN.md). Results are logged to the MLflow experiment ``bench`` and written to runs/bench/latest.json.
+Project steps are timed in-process (bench/step.py: no Prefect/Ray/MLflow). The orchestration rows come from a short
+run of the real flow on the same workload (bench/flow_run.py, ``--flow-steps``): the orchestration share and the
+refit + KV-calibration share of its steps, and the time to the first step. Results are logged to the MLflow experiment ``bench`` and written to runs/bench/latest.json.
 """
 from __future__ import annotations
 
@@ -148,8 +149,15 @@ def table(res: dict) -> str:
             prof = ", ".join(f"{k[:-2]} {med[k]:.2f}" for k in ("rollout_s", "old_logprob_s", "train_fwd_bwd_s",
                                                                   "optimizer_s", "reward_s", "refit_s"))
             rows.append(f"| {name} step profile (s) | {prof} | |")
-    if steps:
-        rows.append("| orchestration share (Prefect/Ray/MLflow) | not in this in-process bench | <= 5% |")
+    fl = res.get("flow")
+    if fl:
+        rows.append(f"| orchestration share of the FP8 flow step (Prefect/Ray/MLflow; step {fl['step_s']:.2f} s, "
+                    f"median of steps 2..{fl['steps']}) | {fl['share_orchestration']:.1%} | <= 5% |")
+        rows.append(f"| refit + KV calibration share of the FP8 flow step | {fl['share_refit_kv']:.1%} | <= 3% |")
+        rows.append(f"| time to first step (process start -> step 1 begins; workers up {fl['workers_up_s']:.1f} s) | "
+                    f"{fl['time_to_first_step_s']:.1f} s | |")
+    elif steps:
+        rows.append("| orchestration share (Prefect/Ray/MLflow) | not measured (--flow-steps 0) | <= 5% |")
     q = res.get("quantize")
     if q:
         for g in ("tensorwise", "rowwise", "group128", "block128"):
@@ -178,6 +186,9 @@ def log_mlflow(res: dict, uri: str) -> str | None:
         flat.update({f"step/{name}/{k}": v for k, v in s["median"].items()})
     if res.get("trl"):
         flat["step/trl/step_s"] = res["trl"]["median_step_s"]
+    for k, v in (res.get("flow") or {}).items():
+        if isinstance(v, (int, float)):
+            flat[f"flow/{k}"] = v
     for k, v in res.get("ratios", {}).items():
         flat[f"ratio/{k}"] = v
     with mlflow.start_run(run_name=f"bench-{time.strftime('%Y%m%d-%H%M%S')}") as run:
@@ -198,6 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI",
                                                              f"sqlite:///{ROOT / 'runs' / 'bench' / 'mlflow.db'}"))
     p.add_argument("--no-mlflow", action="store_true")
+    p.add_argument("--flow-steps", type=int, default=4,
+                   help="steps of the real flow (Prefect + Ray + MLflow) for the orchestration rows; 0 = skip")
     p.add_argument("--quick-model", action="store_true",
                    help="the tests' 12-step SFT model instead of runs/assets' 300-step one (no 300-step SFT build)")
     args = p.parse_args(argv)
@@ -229,6 +242,10 @@ def main(argv=None) -> int:
         if not args.skip_trl:
             res["trl"] = run_trl(args.trl_python, w, args.steps)
         res["steps"] = {name: run_project(recipe, w, steps=args.steps) for name, recipe in RECIPES.items()}
+        if args.flow_steps:
+            from bench.flow_run import run_flow
+
+            res["flow"] = run_flow(RECIPES["fp8"], w, steps=args.flow_steps)
     ratios = {}
     t = (res.get("trl") or {}).get("median_step_s")
     meds = {k: v["median"]["step_s"] for k, v in res.get("steps", {}).items()}

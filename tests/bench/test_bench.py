@@ -1,5 +1,7 @@
 """bench: the table computes the issue's ratios from the measured times; the numerics sections run; the
 workload picks the flow's prompts (same selection rule as workers.data.PromptSource)."""
+import pytest
+
 import bench.__main__ as B
 from bench.workload import Workload, step_rows
 
@@ -25,6 +27,14 @@ def test_table_ratios():
     assert "FP8 (worst recipe) / FP32 (FP32 1.0 ms) | 1.40 |" in t
     without_trl = B.table({**_res(), "trl": None})
     assert "| P1 bf16: project step / TRL step | n/a |" in without_trl
+    assert "not measured (--flow-steps 0)" in t
+    flow = {"steps": 4, "step_s": 2.0, "share_orchestration": 0.031, "share_refit_kv": 0.012, "workers_up_s": 9.5,
+            "time_to_first_step_s": 21.25}
+    with_flow = B.table({**_res(), "flow": flow, "load_average_start": 0.5, "load_average_end": 1.25})
+    assert "| orchestration share of the FP8 flow step (Prefect/Ray/MLflow; step 2.00 s, median of steps 2..4) | " \
+           "3.1% | <= 5% |" in with_flow
+    assert "| refit + KV calibration share of the FP8 flow step | 1.2% | <= 3% |" in with_flow
+    assert "workers up 9.5 s) | 21.2 s |" in with_flow and "| 0.5 / 1.2 |" in with_flow
 
 
 def test_numerics_sections_run():
@@ -45,3 +55,16 @@ def test_workload_rows_follow_the_flow(tmp_path):
     for step in (0, 3):
         flow = [(r["question"], r["answer"]) for r in src.train_rows(step, 4)]
         assert [(r["question"], r["answer"]) for r in step_rows(w, step)] == flow
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_flow_run_reads_orchestration_shares_from_a_real_flow():
+    """bench.flow_run runs python -m flows.grpo (Prefect + Ray + MLflow) for 2 steps and reads the shares back."""
+    from bench.flow_run import run_flow
+    from bench.workload import default_workload
+
+    r = run_flow("configs/tiny_fp8_e2e.yaml", default_workload(quick=True), steps=2)
+    assert 0.0 <= r["share_orchestration"] < 1.0 and 0.0 < r["share_refit_kv"] < 1.0
+    assert r["step_s"] > 0 and r["workers_up_s"] > 0 and 0 < r["time_to_first_step_s"] < r["wall_s"]
