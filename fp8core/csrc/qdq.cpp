@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -105,6 +106,32 @@ void row_loop(const T* __restrict xr, const float* __restrict sv, float* __restr
   }
 }
 
+// max over n elements of |x| as FP32 bit patterns (exact; NaN > inf > finite), a vectorizable unsigned reduction
+template <typename T>
+inline uint32_t absmax_bits(const T* __restrict p, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t v = f2u(load<T>(p, j)) & 0x7FFFFFFFu;
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
+inline uint32_t max_u32(const uint32_t* __restrict p, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t j = 0; j < n; ++j) m = p[j] > m ? p[j] : m;
+  return m;
+}
+
+// acc[j] = max(acc[j], |x[j]| bits) over one row
+template <typename T>
+inline void col_absmax(const T* __restrict xr, uint32_t* __restrict acc, int64_t k) {
+  for (int64_t j = 0; j < k; ++j) {
+    const uint32_t v = f2u(load<T>(xr, j)) & 0x7FFFFFFFu;
+    acc[j] = v > acc[j] ? v : acc[j];
+  }
+}
+
 // One kernel for every granularity: groups are tiles of ``gr`` rows x ``gc`` columns of a row-major [M, K] tensor
 // (group128 along K: 1 x 128; rowwise: 1 x K; along T (wgrad operands): 128 x 1 or T x 1; block128: 128 x 128;
 // tensorwise: M x K). Each block of ``gr`` rows is read twice: once for the column-wise |x| maxima (reduced to the
@@ -116,40 +143,37 @@ void tile_kernel(const T* x, float* dq, uint8_t* codes, float* amax_out, float* 
   const Consts cst = consts_of(f);
   float* dq_ = dq;
   uint8_t* codes_ = codes;
-  auto block = [&](int64_t rb) {
+  // One block of gr rows; acc / sv are the calling thread's buffers (K elements each).
+  auto block = [&](int64_t rb, uint32_t* acc, float* sv) {
     const int64_t r0 = rb * gr, r1 = std::min(m, r0 + gr);
-    std::vector<uint32_t> acc(static_cast<size_t>(k), 0u);
-    std::vector<float> sv(static_cast<size_t>(k));
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * k;
-      uint32_t* a = acc.data();
-      for (int64_t j = 0; j < k; ++j) {
-        const uint32_t v = f2u(load<T>(xr, j)) & 0x7FFFFFFFu;
-        a[j] = v > a[j] ? v : a[j];
-      }
+    if (gr > 1) {  // column-wise maxima over the block's rows first
+      std::fill(acc, acc + k, 0u);
+      for (int64_t r = r0; r < r1; ++r) col_absmax<T>(x + r * k, acc, k);
     }
     for (int64_t g = 0; g < ncg; ++g) {
       const int64_t c0 = g * gc, c1 = std::min(k, c0 + gc);
-      uint32_t am = 0;
-      for (int64_t j = c0; j < c1; ++j) am = acc[j] > am ? acc[j] : am;
+      const uint32_t am = gr > 1 ? max_u32(acc + c0, c1 - c0) : absmax_bits<T>(x + r0 * k + c0, c1 - c0);
       const float s = scale_of(am, f, pow2);
       amax_out[rb * ncg + g] = u2f(am);
       scale_out[rb * ncg + g] = s;
-      for (int64_t j = c0; j < c1; ++j) sv[j] = s;
+      std::fill(sv + c0, sv + c1, s);
     }
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t off = r * k;
-      if (dq_ && codes_) row_loop<T, true, true>(x + off, sv.data(), dq_ + off, codes_ + off, k, cst);
-      else if (dq_) row_loop<T, true, false>(x + off, sv.data(), dq_ + off, nullptr, k, cst);
-      else row_loop<T, false, true>(x + off, sv.data(), nullptr, codes_ + off, k, cst);
+      if (dq_ && codes_) row_loop<T, true, true>(x + off, sv, dq_ + off, codes_ + off, k, cst);
+      else if (dq_) row_loop<T, true, false>(x + off, sv, dq_ + off, nullptr, k, cst);
+      else row_loop<T, false, true>(x + off, sv, nullptr, codes_ + off, k, cst);
     }
   };
+  auto run = [&](int64_t b0, int64_t b1) {
+    std::vector<uint32_t> acc(gr > 1 ? static_cast<size_t>(k) : 0u);
+    std::vector<float> sv(static_cast<size_t>(k));
+    for (int64_t b = b0; b < b1; ++b) block(b, acc.data(), sv.data());
+  };
   if (nrb >= 2) {
-    at::parallel_for(0, nrb, std::max<int64_t>(1, 65536 / std::max<int64_t>(gr * k, 1)), [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) block(b);
-    });
+    at::parallel_for(0, nrb, std::max<int64_t>(1, 65536 / std::max<int64_t>(gr * k, 1)), run);
   } else {
-    block(0);
+    run(0, 1);
   }
 }
 
