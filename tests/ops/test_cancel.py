@@ -1,13 +1,15 @@
 """Cancel and cleanup (issue 13, item 5): SIGTERM to ``python -m flows.grpo`` stops the run within 30 s with every
 process it started gone (Ray, its actors and their in-process vLLM engines, the run's temporary Prefect server) and
 the last complete checkpoint intact; after ``kill -9`` of the driver alone, the run's watchdog
-(workers/watchdog.py) ends everything the driver had started.
+(workers/watchdog.py) ends everything the driver had started; ``prefect flow-run cancel`` of a deployment run on the
+local stack ends the same way, with the flow run CANCELLED.
 
 Every process of a run inherits a random marker variable from the test, so "gone" is checked over /proc, not
 over the process group (Ray and the watchdog leave the driver's group)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _ops import ROOT, TINY, kill_marked, processes_with_env, wait_for
+from _ops import PREFECT, ROOT, TINY, kill_marked, processes_with_env, rest, run_logged, wait_for
 
 from workers.checkpoint import MANIFEST, CheckpointStore
 
@@ -121,3 +123,52 @@ def test_kill9_of_the_driver_leaves_nothing_running(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
         kill_marked(MARK, mark)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_prefect_cancel_of_a_deployment_run(stack, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    mark, name = uuid.uuid4().hex, f"cancel-{uuid.uuid4().hex[:8]}"
+    run_dir, db = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    params = {"config_path": "configs/tiny_fp8_e2e.yaml",
+              "overrides": [*LONG, f"run_dir={run_dir}", f"logger.mlflow.tracking_uri={db}"]}
+    r = run_logged([PREFECT, "deployment", "run", "fp8-grpo/fp8-grpo", "--params", json.dumps(params),
+                    "--flow-run-name", name, "--job-variable", "env=" + json.dumps({MARK: mark})],
+                   env=stack["env"], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    api = stack["prefect_api_url"]
+
+    def flow_run() -> dict:
+        runs = rest(f"{api}/flow_runs/filter", {"flow_runs": {"name": {"any_": [name]}}})
+        assert len(runs) == 1, runs
+        return runs[0]
+
+    ck = run_dir / "checkpoints"
+    try:
+        wait_for(lambda: (ck / "step_000001" / MANIFEST).exists() or flow_run()["state_type"] in
+                 ("FAILED", "CRASHED", "COMPLETED", "CANCELLED"), 900, "first checkpoint", poll=0.5)
+        assert flow_run()["state_type"] == "RUNNING", flow_run()["state"]
+        before = processes_with_env(MARK, mark)
+        kinds = " ".join(_cmdline(p) for p in before)
+        assert "raylet" in kinds and "ray::" in kinds, kinds
+        t0 = time.monotonic()
+        c = run_logged([PREFECT, "flow-run", "cancel", flow_run()["id"]], env=stack["env"], timeout=60)
+        assert c.returncode == 0, c.stdout + c.stderr
+        waited, left = _gone_within(mark, 30 - (time.monotonic() - t0))
+        gone = time.monotonic() - t0
+        state = wait_for(lambda: flow_run()["state_type"] in ("CANCELLED", "FAILED", "CRASHED", "COMPLETED")
+                         and flow_run()["state_type"], 60, "a final flow-run state")
+        print(f"\n[prefect flow-run cancel: all {len(before)} processes of the run gone after {gone:.1f}s; "
+              f"flow run {state} after {time.monotonic() - t0:.1f}s]")
+        assert not left, f"still running {gone:.1f}s after the cancel: {left}"
+        assert state == "CANCELLED"
+    finally:
+        kill_marked(MARK, mark)
+    store = CheckpointStore(str(ck))
+    last = store.latest_step()
+    loaded = store.load(last)
+    assert last >= 1 and loaded.state["step"] == last
+    assert MlflowClient(tracking_uri=db).get_run(loaded.state["mlflow_run_id"]).info.status == "KILLED"
