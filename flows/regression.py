@@ -1,6 +1,7 @@
 """Flow ``fp8-grpo-regression``: the nightly FP8-vs-BF16 regression.
 
-    python -m flows.regression [--seeds=0,1,2] [key=value ...]   # overrides applied to both recipes
+    python -m flows.regression [--seeds=0,1,2] [--fp8=key=value ...] [--max-accuracy-drop=X] [--run-dir=D]
+                               [key=value ...]   # overrides applied to both recipes; --fp8=...: the FP8 runs only
     prefect deployment run fp8-grpo-regression/nightly-regression   (scheduled nightly, see prefect.yaml)
 
 Trains the BF16 recipe and the end-to-end FP8 recipe with the same seeds and number of steps (checked before any
@@ -211,12 +212,25 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    seeds = None
-    for a in [a for a in argv if a.startswith("--seeds=")]:  # --seeds=0,1,2 (default: DEFAULT_SEEDS)
-        seeds = [int(x) for x in a.split("=", 1)[1].split(",") if x]
+    kw: dict = {}
+    fp8_overrides = []
+    for a in [a for a in argv if a.startswith("--")]:
+        name, _, value = a[2:].partition("=")
+        if name == "seeds":  # --seeds=0,1,2 (default: DEFAULT_SEEDS)
+            kw["seeds"] = [int(x) for x in value.split(",") if x]
+        elif name == "fp8":  # --fp8=key=value: an override for the FP8 runs only
+            fp8_overrides.append(value)
+        elif name in ("max-accuracy-drop", "min-throughput-ratio", "max-token-mult-prob-error"):
+            kw[name.replace("-", "_")] = float(value)
+        elif name == "run-dir":
+            kw["run_dir"] = value
+        else:
+            print(f"unknown option {a} (--seeds=, --fp8=key=value, --max-accuracy-drop=, --min-throughput-ratio=, "
+                  "--max-token-mult-prob-error=, --run-dir=)", file=sys.stderr)
+            return 2
         argv.remove(a)
     try:
-        regression(overrides=argv, seeds=seeds)
+        regression(overrides=argv, fp8_overrides=fp8_overrides, **kw)
     except RegressionFailed as e:
         print(str(e), file=sys.stderr)
         return 1

@@ -252,3 +252,38 @@ def test_powered_threshold_fails_a_5_point_drop_and_passes_noise():
         fails[drop] = float(np.mean(np.array(stats) > plan.threshold))
     assert fails[0.05] >= 0.72, fails  # 80% power (Monte Carlo slack)
     assert fails[0.0] <= 0.09, fails  # <= 5% false fails (slack)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_verdict_fails_a_degraded_fp8_run_and_passes_a_correct_one(tmp_path):
+    """Shortened nightly (one seed pair, 1 RL step, all 500 validation prompts at the end, the pipeline's own
+    325-step warm start, so there are correct answers to lose): the FP8 run degraded by the TEST-ONLY fault (5 points
+    of its correct greedy answers turned wrong) fails the accuracy check; the same FP8 run without the fault passes.
+    Training is deterministic per seed, so the degraded drop is the correct run's drop + exactly 0.05; the
+    threshold is half the fault (the powered default needs DEFAULT_SEEDS full-length seed pairs; the statistics
+    behind it are tested above on synthetic data). Same protocol on the README's probe warm start (2 steps, 200
+    prompts): drop -0.020 -> pass, degraded +0.030 -> fail."""
+    from flows.regression import RegressionFailed, regression
+
+    common = dict(overrides=["grpo.max_num_steps=1", "grpo.val_period=0", "grpo.val_at_start=false",
+                             "grpo.max_val_samples=500",
+                             "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
+                             "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16",
+                             "checkpointing.enabled=false",
+                             f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'regression-assets'}"],
+                  seeds=[0], max_accuracy_drop=0.025, min_throughput_ratio=0.01,  # accuracy is what is tested here
+                  tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    ok = regression(**common, run_dir=str(tmp_path / "ok"))
+    acc = _by_name(ok["verdict"])["accuracy_drop"]
+    assert ok["passed"] and abs(acc["value"]) < 0.025, ok["verdict"]
+    p = ok["verdict"]["paired"]
+    assert p["prompts"] == 500 and p["seeds"] == 1 and p["steps"] == [1] and p["acc_bf16"] >= 0.1  # room to lose
+
+    with pytest.raises(RegressionFailed, match="accuracy_drop"):
+        regression(**common, run_dir=str(tmp_path / "bad"), fp8_overrides=["testing.fault_val_accuracy_drop=0.05"])
+    bad = sorted((tmp_path / "bad").glob("*/verdict.md"))
+    assert bad and "FAIL" in bad[0].read_text()
+    v = json.loads(sorted((tmp_path / "bad").glob("*/fp8/summary.json"))[0].read_text())
+    assert v["testing_fault_val_accuracy_drop"] == 0.05
