@@ -6,6 +6,7 @@ The refusal test runs the Ray head and every client in separate processes: Ray c
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -163,3 +164,4 @@ def test_client_without_the_token_is_refused(tmp_path):
             head.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, 9)
+        shutil.rmtree(base["RAY_TMPDIR"], ignore_errors=True)  # the head's Ray session dir
