@@ -209,11 +209,15 @@ def recipe_row(root: Path, recipe: str, seeds, uri: str, *, n_boot: int = 10_000
             **{f"mean {k}": _mean(hist[k].values()) for k in STEP_KEYS},
             "lower_neg_in_band": _in_band(hist["clip/lower_neg_adv_frac"].values()),
             "upper_pos_in_band": _in_band(hist["clip/upper_pos_adv_frac"].values()),
-            "wall_s": summary.get("wall_s"), "val_prompts": len(c0)})
+            "wall_s": summary.get("wall_s"), "val_prompts": len(c0),
+            "val_curve": {int(k): v for k, v in summary["val_accuracy"].items()}})
     est = paired_bootstrap(start, end, n_boot=n_boot, shared_prompts=len({len(r) for r in start}) == 1)
     agg = {k: _mean(s[k] for s in seeds_out) for k in seeds_out[0] if isinstance(seeds_out[0][k], (int, float))
            and k not in ("seed", "first_step", "last_step")}
-    return {"recipe": recipe, "seeds": list(seeds), "gain": est.as_dict(), "mean": agg, "per_seed": seeds_out}
+    steps = sorted(set.intersection(*(set(s["val_curve"]) for s in seeds_out)))
+    curve = {st: _mean(s["val_curve"][st] for s in seeds_out) for st in steps}
+    return {"recipe": recipe, "seeds": list(seeds), "gain": est.as_dict(), "mean": agg, "curve": curve,
+            "per_seed": seeds_out}
 
 
 def gain_table(root: Path, recipes, seeds, uri: str, *, n_boot: int = 10_000,
@@ -232,16 +236,18 @@ def gain_table(root: Path, recipes, seeds, uri: str, *, n_boot: int = 10_000,
 
     lines = [
         "| recipe | val accuracy, first -> last validation (mean of seeds) | gain, points [95% CI] | per-seed gains "
+        "| val accuracy at each validation (step: mean of seeds) "
         "| format-valid | entropy, first -> last step | clip low/neg-A, up/pos-A (updates after the first; steps in "
         "0.5-10%) | identical-reward groups | filtered by dynamic sampling | mean step | run wall time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         m, g = row["mean"], row["gain"]
         per = ", ".join(f"{100 * s['gain']:+.1f}" for s in row["per_seed"])
         lines.append(
             f"| `{row['recipe']}` | {m['acc_start']:.3f} -> {m['acc_end']:.3f} ({int(m['val_prompts'])} prompts, "
             f"seeds {', '.join(map(str, row['seeds']))}) | **{100 * g['value']:+.1f}** [{100 * g['lo']:+.1f}, "
-            f"{100 * g['hi']:+.1f}] | {per} (sd {100 * g['seed_sd']:.1f}) | {m['format_valid_start']:.3f} -> "
+            f"{100 * g['hi']:+.1f}] | {per} (sd {100 * g['seed_sd']:.1f}) | "
+            f"{' / '.join(f'{st}: {v:.3f}' for st, v in row['curve'].items())} | {m['format_valid_start']:.3f} -> "
             f"{m['format_valid_end']:.3f} | {m['entropy_first']:.3f} -> {m['entropy_last']:.3f} | "
             f"{pct(m['mean clip/lower_neg_adv_frac'])} ({pct(m['lower_neg_in_band'])} of steps), "
             f"{pct(m['mean clip/upper_pos_adv_frac'])} ({pct(m['upper_pos_in_band'])}) | "
