@@ -24,12 +24,9 @@ import time
 from pathlib import Path
 
 if __name__ == "__main__":  # as flows/grpo.py: Prefect reads its home at import, keep it under runs/
-    _home = Path("runs/.prefect").resolve()
-    os.environ.setdefault("PREFECT_HOME", str(_home))
-    os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(_home / "memo_store.toml"))
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    _home.mkdir(parents=True, exist_ok=True)
+    from flows.cli_env import prefect_cli_env
+
+    prefect_cli_env()
 
 from prefect import flow  # noqa: E402
 

@@ -17,27 +17,16 @@ Parameters are the recipe path and override strings only (deployment-friendly); 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
 import uuid
 from pathlib import Path
 
+if __name__ == "__main__":  # before Prefect is imported
+    from flows.cli_env import prefect_cli_env
 
-def _cli_env() -> None:
-    """Before Prefect is imported (it reads its home and logging settings at import): keep its state under runs/
-    and its console logging quiet, so the terminal shows our one line per step."""
-    home = Path("runs/.prefect").resolve()
-    os.environ.setdefault("PREFECT_HOME", str(home))
-    os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(home / "memo_store.toml"))
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    home.mkdir(parents=True, exist_ok=True)
-
-
-if __name__ == "__main__":
-    _cli_env()
+    prefect_cli_env()
 
 from prefect import flow  # noqa: E402
 
