@@ -75,3 +75,26 @@ def moto_s3(monkeypatch):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(autouse=True)
+def _logging_streams_not_closed():
+    """Logging handlers created during an earlier test (Prefect's console handler, set up at the first flow run) keep
+    that test's captured stderr, which pytest closes when the test ends: the next test's log records would then
+    raise "I/O operation on closed file" inside Prefect's handler and recurse through its print-as-log patch.
+    Point such handlers at the current stderr before each test."""
+    import logging
+
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    for lg in loggers:
+        for h in lg.handlers:
+            if not isinstance(h, logging.StreamHandler):
+                continue
+            console = getattr(h, "console", None)  # Prefect's handler writes through a rich Console on the stream
+            if getattr(h.stream, "closed", False) or getattr(getattr(console, "file", None), "closed", False):
+                with h.lock:  # not setStream(): it flushes the old, closed stream first
+                    h.stream = sys.stderr
+                    if console is not None:
+                        console.file = sys.stderr
+    yield
