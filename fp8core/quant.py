@@ -442,7 +442,8 @@ def quantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool
     ``scale = amax / fp8_max`` (``2**ceil(log2(.))`` if ``pow2``), floored at 2**-126;
     ``data = fp8(clamp(x / scale, +-fp8_max))`` with torch's round-to-nearest-even cast.
     Source of the convention: DeepSeek-V3 / vLLM block FP8 (``weight_scale_inv``), torchao float8 (reciprocal form).
-    Bit-identical to :func:`quantize_reference`, computed in cache-sized row chunks.
+    Bit-identical to :func:`quantize_reference`: computed by the fused C++ kernel (fp8core.kernels) where it is in
+    use, else in cache-sized row chunks of torch ops.
     """
     _check_input(x, granularity, fmt)
     scale_shape = _scale_shape(tuple(x.shape), granularity)
