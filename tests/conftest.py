@@ -77,12 +77,8 @@ def moto_s3(monkeypatch):
         proc.wait(10)
 
 
-@pytest.fixture(autouse=True)
-def _logging_streams_not_closed():
-    """Logging handlers created during an earlier test (Prefect's console handler, set up at the first flow run) keep
-    that test's captured stderr, which pytest closes when the test ends: the next test's log records would then
-    raise "I/O operation on closed file" inside Prefect's handler and recurse through its print-as-log patch.
-    Point such handlers at the current stderr before each test."""
+def _repoint_logging_handlers(stream, also=lambda stream: False) -> None:
+    """Point logging handlers whose stream is closed (or for which ``also(stream)`` holds) at ``stream``."""
     import logging
 
     loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
@@ -92,9 +88,32 @@ def _logging_streams_not_closed():
             if not isinstance(h, logging.StreamHandler):
                 continue
             console = getattr(h, "console", None)  # Prefect's handler writes through a rich Console on the stream
-            if getattr(h.stream, "closed", False) or getattr(getattr(console, "file", None), "closed", False):
+            cfile = getattr(console, "file", None)
+            if (getattr(h.stream, "closed", False) or getattr(cfile, "closed", False) or also(h.stream)
+                    or (cfile is not None and also(cfile))):
                 with h.lock:  # not setStream(): it flushes the old, closed stream first
-                    h.stream = sys.stderr
+                    h.stream = stream
                     if console is not None:
-                        console.file = sys.stderr
+                        console.file = stream
+
+
+def _pytest_capture_stream(stream) -> bool:
+    return type(stream).__module__.startswith("_pytest") or type(getattr(stream, "buffer", None)).__module__.startswith(
+        "_pytest")
+
+
+@pytest.fixture(autouse=True)
+def _logging_streams_not_closed():
+    """Logging handlers created during an earlier test (Prefect's console handler, set up at the first flow run) keep
+    that test's captured stderr, which pytest closes when the test ends: the next test's log records would then
+    raise "I/O operation on closed file" inside Prefect's handler and recurse through its print-as-log patch.
+    Point such handlers at the current stderr before each test."""
+    _repoint_logging_handlers(sys.stderr)
     yield
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Prefect stops its temporary server from an exit handler, after pytest has closed its capture streams: point
+    every handler still on one of them at the real stderr, so the exit log line prints instead of a logging error."""
+    _repoint_logging_handlers(sys.__stderr__, _pytest_capture_stream)

@@ -27,9 +27,11 @@ MARK = "FP8_GRPO_CANCEL_MARK"
 LONG = [*TINY, "grpo.max_num_steps=50"]  # never finishes on its own within the test
 
 
-def _cmdline(pid: int) -> str:
+def _cmdline(pid: int, limit: int | None = 120) -> str:
+    """The process's command line (cut to ``limit`` characters for messages; whole for matching: a long install path
+    such as CI's pushes "prefect" in the uvicorn server's command line past any fixed cut)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:limit]
     except OSError:
         return "?"
 
@@ -69,7 +71,7 @@ def test_sigterm_stops_the_run_within_30s_with_nothing_left(tmp_path):
                  "first checkpoint", poll=0.1)
         assert proc.poll() is None, f"run ended before its first checkpoint:\n{log_path.read_text()[-3000:]}"
         before = processes_with_env(MARK, mark)
-        kinds = " ".join(_cmdline(p) for p in before)
+        kinds = " ".join(_cmdline(p, None) for p in before)
         assert "raylet" in kinds and "prefect" in kinds and "ray::" in kinds, kinds  # what must end
         t0 = time.monotonic()
         os.kill(proc.pid, signal.SIGTERM)  # the driver only, as `kill PID` would
@@ -111,7 +113,7 @@ def test_kill9_of_the_driver_leaves_nothing_running(tmp_path):
         assert proc.poll() is None, log_path.read_text()[-3000:]
         time.sleep(2)  # let the watchdog record the actors
         before = processes_with_env(MARK, mark)
-        kinds = " ".join(_cmdline(p) for p in before)
+        kinds = " ".join(_cmdline(p, None) for p in before)
         assert "raylet" in kinds and "prefect" in kinds and "ray::" in kinds, kinds
         os.kill(proc.pid, signal.SIGKILL)  # the driver alone: its children are orphaned
         proc.wait(10)
@@ -152,7 +154,7 @@ def test_prefect_cancel_of_a_deployment_run(stack, tmp_path):
                  ("FAILED", "CRASHED", "COMPLETED", "CANCELLED"), 900, "first checkpoint", poll=0.5)
         assert flow_run()["state_type"] == "RUNNING", flow_run()["state"]
         before = processes_with_env(MARK, mark)
-        kinds = " ".join(_cmdline(p) for p in before)
+        kinds = " ".join(_cmdline(p, None) for p in before)
         assert "raylet" in kinds and "ray::" in kinds, kinds
         t0 = time.monotonic()
         c = run_logged([PREFECT, "flow-run", "cancel", flow_run()["id"]], env=stack["env"], timeout=60)
