@@ -36,7 +36,9 @@ Numerics
      only dilutes them; with a single update they cover it); ``clip_all_updates/*`` pools every update.
   5. Calibrated Clipping (every K steps, FP8 training only): BF16-shadow (``fp8core.convert.high_precision``) and FP8
      logprobs of the same tokens before and after the update give ``ratio_bf16`` / ``ratio_fp8``; the controller
-     moves the clip bounds used by later steps.
+     moves the clip bounds used by later steps. The same forwards give ``calib/ratio_error_amplification``
+     (mean |r_fp8 - r_bf16| / mean |p_fp8 - p_bf16| on the sampled tokens, p the updated policy's probabilities);
+     ``time/clip_calibration_s`` is the shadow passes' wall time (0 on steps without a calibration).
 """
 
 from __future__ import annotations
@@ -462,7 +464,8 @@ class PolicyWorker:
             new_fp8 = self.logprobs(b)[0]
             new_bf16 = self._shadow_logprobs(b)
             (lo, hi), diag = self.cc.calibrate(step, torch.exp((new_fp8 - old_logp) * b.mask),
-                                               torch.exp((new_bf16 - old_bf16) * b.mask), adv, b.mask)
+                                               torch.exp((new_bf16 - old_bf16) * b.mask), adv, b.mask,
+                                               prob_fp8=torch.exp(new_fp8), prob_bf16=torch.exp(new_bf16))
             m.update(diag)
             t_cal += time.perf_counter() - tc
         lo, hi = self.bounds()

@@ -13,7 +13,8 @@ Public API
 [0.8, 1.28]): ``interval=20, low_range=(0.5, 0.9), high_range=(1.2, 2.0), step=0.02, max_delta_low=0.05,
 max_delta_high=0.1, init_low=0.6, init_high=1.8, ref_eps_low=0.2, ref_eps_high=0.24``.
 ``CalibratedClipping(config)``: ``.bounds -> (L, H)``, ``.should_calibrate(step) -> bool``,
-``.calibrate(step, ratio_fp8, ratio_bf16, advantages, mask=None) -> ((L, H), diagnostics)``,
+``.calibrate(step, ratio_fp8, ratio_bf16, advantages, mask=None, *, prob_fp8=None, prob_bf16=None) -> ((L, H),
+diagnostics)``, ``ratio_error_amplification(...)`` (diagnostic, below),
 ``.state_dict() -> dict`` (plain floats/ints, JSON-safe), ``.load_state_dict(d)``.
 
 Inputs: token level (GRPO/DAPO) ``ratio_* [B, T]`` with ``mask [B, T]`` and ``advantages [B]`` or ``[B, T]``; sequence
@@ -46,6 +47,18 @@ cross-multiplied form has no division, so it stays defined when one side has no 
 all every H ties and H stays where it is (no information, no change).
 ``L_new`` is the smoothed lower bound that will actually be used together with H.
 
+Ratio-error amplification (diagnostic, the paper's "FP8 error is amplified in the ratio")
+-----------------------------------------------------------------------------------------
+``ratio_error_amplification(ratio_fp8, ratio_bf16, prob_fp8, prob_bf16, mask)`` =
+``mean_t |r_fp8 - r_bf16| / mean_t |p_fp8 - p_bf16|`` over the valid tokens, where ``p`` are the token probabilities
+of the current (updated) policy on the sampled tokens in FP8 and in its BF16 shadow, and ``r = p / p_old`` the PPO
+ratios, each computed with its own precision's old and new forward. A ratio divides two FP8-noisy probabilities, so
+its absolute error exceeds the probabilities' (for small ``p`` by about ``1 / p_old``): values > 1 say how much the
+clip decision sees more FP8 noise than the probabilities themselves carry (the paper measures 1.65-2.9x). ``nan``
+when FP8 and BF16 probabilities agree exactly (no FP8 error to amplify). ``CalibratedClipping.calibrate`` logs it as
+``calib/ratio_error_amplification`` (with ``calib/ratio_abs_err`` and ``calib/prob_abs_err``) when given the
+probabilities.
+
 ties: among equal objective values the grid point closest to the current bound wins (smallest change), then the smaller.
 smoothing: ``L_new = clamp(L + clamp(L* - L, ±max_delta_low), low_range)``, ``H_new`` likewise with ``max_delta_high``.
 No negative- (positive-) advantage tokens in the batch: L (H) is left unchanged.
@@ -57,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CalibratedClippingConfig", "CalibratedClipping"]
+__all__ = ["CalibratedClippingConfig", "CalibratedClipping", "ratio_error_amplification"]
 
 _ROUND = 12  # decimals kept on bounds (grid points are exact decimals, not 0.6000000000000001)
 
@@ -147,6 +160,34 @@ def _flatten(ratio_fp8, ratio_bf16, advantages, mask):
     return f64(ratio_fp8), f64(ratio_bf16), f64(adv)
 
 
+def ratio_error_amplification(
+    ratio_fp8: torch.Tensor,
+    ratio_bf16: torch.Tensor,
+    prob_fp8: torch.Tensor,
+    prob_bf16: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """``mean |r_fp8 - r_bf16| / mean |p_fp8 - p_bf16|`` over valid tokens (module docstring); all four tensors are
+    ``[B, T]`` (or ``[N]``) on the same tokens, ``mask`` marks the valid ones (None = all). Returns
+    ``{"calib/ratio_error_amplification", "calib/ratio_abs_err", "calib/prob_abs_err"}`` (the first ``nan`` when the
+    probabilities agree exactly, or there is no valid token)."""
+    shapes = {tuple(t.shape) for t in (ratio_fp8, ratio_bf16, prob_fp8, prob_bf16)}
+    if len(shapes) != 1:
+        raise ValueError(f"ratio_error_amplification: ratios and probabilities must have one shape, got {sorted(shapes)}")
+    if mask is not None and tuple(mask.shape) != next(iter(shapes)):
+        raise ValueError(f"mask shape {tuple(mask.shape)} != ratio shape {next(iter(shapes))}")
+    valid = torch.ones_like(ratio_fp8, dtype=torch.bool) if mask is None else mask.bool()
+    f64 = lambda x: x.detach().to(torch.float64)[valid]  # noqa: E731
+    n = int(valid.sum())
+    if n == 0:
+        nan = float("nan")
+        return {"calib/ratio_error_amplification": nan, "calib/ratio_abs_err": nan, "calib/prob_abs_err": nan}
+    r_err = float((f64(ratio_fp8) - f64(ratio_bf16)).abs().mean())
+    p_err = float((f64(prob_fp8) - f64(prob_bf16)).abs().mean())
+    amp = r_err / p_err if p_err > 0 else float("nan")
+    return {"calib/ratio_error_amplification": amp, "calib/ratio_abs_err": r_err, "calib/prob_abs_err": p_err}
+
+
 def _pick(grid: torch.Tensor, objective: torch.Tensor, current: float) -> float:
     """argmin of objective over grid; ties -> closest to current, then smaller."""
     best = objective.min()
@@ -196,8 +237,15 @@ class CalibratedClipping:
         ratio_bf16: torch.Tensor,
         advantages: torch.Tensor,
         mask: torch.Tensor | None = None,
+        *,
+        prob_fp8: torch.Tensor | None = None,
+        prob_bf16: torch.Tensor | None = None,
     ) -> tuple[tuple[float, float], dict[str, float]]:
-        """Search, smooth and store new bounds from FP8 and BF16 ratios of the same tokens. Returns ``((L, H), diag)``."""
+        """Search, smooth and store new bounds from FP8 and BF16 ratios of the same tokens. Returns ``((L, H), diag)``;
+        with ``prob_fp8`` / ``prob_bf16`` (the current policy's token probabilities, same layout as the ratios) the
+        diagnostics include the ratio-error amplification (module docstring)."""
+        if (prob_fp8 is None) != (prob_bf16 is None):
+            raise ValueError("calibrate: give both prob_fp8 and prob_bf16, or neither")
         cfg = self.config
         rf, rb, adv = _flatten(ratio_fp8, ratio_bf16, advantages, mask)
         neg, pos = adv < 0, adv > 0
@@ -253,6 +301,8 @@ class CalibratedClipping:
             "calib/num_tokens": float(rf.numel()),
             "calib/step": float(step),
         }
+        if prob_fp8 is not None:
+            diag.update(ratio_error_amplification(ratio_fp8, ratio_bf16, prob_fp8, prob_bf16, mask))
         return (new_low, new_high), diag
 
     def state_dict(self) -> dict:

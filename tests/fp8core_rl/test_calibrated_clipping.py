@@ -166,3 +166,49 @@ def test_config_validation_names_field():
     assert CalibratedClippingConfig.dapo().ref_high == pytest.approx(1.28)
     assert CalibratedClippingConfig().grid("low")[[0, -1]].tolist() == [0.5, 0.9]
     assert len(CalibratedClippingConfig().grid("high")) == 41
+
+
+def test_ratio_error_amplification_hand_computed_and_masked():
+    from fp8core.rl.calibrated_clipping import ratio_error_amplification
+
+    # valid tokens: |dr| = 0.1, 0.2 -> 0.15; |dp| = 0.05, 0.05 -> 0.05; amplification 3.0. The third column is
+    # padding with huge errors: it must not count.
+    rf = torch.tensor([[1.0, 1.2, 9.0]])
+    rb = torch.tensor([[1.1, 1.0, 0.0]])
+    pf = torch.tensor([[0.50, 0.30, 1.0]])
+    pb = torch.tensor([[0.45, 0.35, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    d = ratio_error_amplification(rf, rb, pf, pb, mask)
+    assert d["calib/ratio_abs_err"] == pytest.approx(0.15)
+    assert d["calib/prob_abs_err"] == pytest.approx(0.05)
+    assert d["calib/ratio_error_amplification"] == pytest.approx(3.0)
+    # no FP8 error in the probabilities: nothing to amplify (nan, not inf or 0)
+    same = ratio_error_amplification(rf, rb, pb, pb, mask)
+    assert torch.isnan(torch.tensor(same["calib/ratio_error_amplification"]))
+    with pytest.raises(ValueError, match="one shape"):
+        ratio_error_amplification(rf, rb, pf[:, :2], pb, mask)
+
+
+def test_ratio_error_amplification_of_a_small_old_probability():
+    # the same FP8 error on the probabilities is amplified ~1/p_old in the ratio: p_old = 0.1 (exact in both
+    # precisions), p_new 0.2 in BF16 and 0.21 in FP8 -> |dp| = 0.01, |dr| = 0.1, amplification 10.
+    from fp8core.rl.calibrated_clipping import ratio_error_amplification
+
+    p_old = torch.tensor([0.1], dtype=torch.float64)
+    pb, pf = torch.tensor([0.2], dtype=torch.float64), torch.tensor([0.21], dtype=torch.float64)
+    d = ratio_error_amplification(pf / p_old, pb / p_old, pf, pb)
+    assert d["calib/ratio_error_amplification"] == pytest.approx(10.0)
+
+
+def test_calibrate_logs_ratio_error_amplification_with_probabilities():
+    fp8, bf16, adv = _hand_batch()
+    cfg = CalibratedClippingConfig.grpo()
+    _, without = CalibratedClipping(cfg).calibrate(20, fp8, bf16, adv)
+    assert "calib/ratio_error_amplification" not in without
+    pb = torch.full_like(fp8, 0.5)
+    pf = pb + 0.01
+    _, d = CalibratedClipping(cfg).calibrate(20, fp8, bf16, adv, prob_fp8=pf, prob_bf16=pb)
+    expected = float((fp8 - bf16).abs().mean()) / 0.01
+    assert d["calib/ratio_error_amplification"] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="both"):
+        CalibratedClipping(cfg).calibrate(20, fp8, bf16, adv, prob_fp8=pf)
