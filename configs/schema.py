@@ -321,6 +321,7 @@ class BootstrapCfg:
 
     assets_dir: str = "runs/assets"  # relative paths are relative to the working directory (shared across runs)
     sft_steps: int | None = None  # None: workers.bootstrap.SFTConfig's default
+    model: Literal["dense", "moe"] = "dense"  # the embedded tiny Qwen3, or its Mixture-of-Experts twin (8 experts, top-2)
 
 
 @dataclass(frozen=True)

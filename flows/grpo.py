@@ -114,7 +114,8 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     model_dir = cfg.policy.model_name
     train_path, val_path = cfg.data.train_path, cfg.data.validation_path
     if EMBEDDED in (model_dir, train_path, val_path):
-        assets = bootstrap_flow(cfg.bootstrap.assets_dir, cfg.bootstrap.sft_steps, cfg.grpo.seed, cfg.data.task)
+        assets = bootstrap_flow(cfg.bootstrap.assets_dir, cfg.bootstrap.sft_steps, cfg.grpo.seed, cfg.data.task,
+                                cfg.bootstrap.model)
         model_dir = assets["model_dir"] if model_dir == EMBEDDED else model_dir
         train_path = assets["train"] if train_path == EMBEDDED else train_path
         val_path = assets["validation"] if val_path == EMBEDDED else val_path

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from workers import addition_task, math_task
-from workers.tiny_model import TinyModelSpec, build_tiny_model, chat_prompt
+from workers.tiny_model import TINY_MOE, TinyModelSpec, build_tiny_model, chat_prompt
 from workers.verifiers import verify
 
 ADDITION_SFT_STEPS = 325
@@ -156,15 +156,24 @@ def default_sft(task: str, *, seed: int = 0, steps: int | None = None) -> SFTCon
     return replace(base, seed=seed) if steps is None else replace(base, seed=seed, steps=steps)
 
 
+MODELS = ("dense", "moe")  # bootstrap.model: the tiny dense Qwen3 or its Mixture-of-Experts twin (TINY_MOE)
+
+
 def ensure_default_assets(root: str | Path, *, task: str = "arithmetic", sft: SFTConfig | None = None,
                           spec: TinyModelSpec | None = None, n_train: int | None = None,
-                          n_validation: int | None = None, n_sft: int | None = None, log=print) -> dict[str, Path]:
-    """Data splits + base tiny model + SFT warm start of ``task`` under ``root`` (reused when already complete)."""
+                          n_validation: int | None = None, n_sft: int | None = None, log=print,
+                          model: str = "dense") -> dict[str, Path]:
+    """Data splits + base tiny model + SFT warm start of ``task`` under ``root`` (reused when already complete).
+    ``model="moe"``: the tiny Qwen3-MoE (workers.tiny_model.TINY_MOE) on the same data, tokenizer and SFT recipe,
+    in ``tiny-qwen3-moe-base`` / ``tiny-qwen3-moe-sft-seed<k>`` beside the dense ones."""
     if task not in SFT_DEFAULTS:
         raise ValueError(f"data.task: unknown embedded task {task!r} (one of {', '.join(SFT_DEFAULTS)})")
+    if model not in MODELS:
+        raise ValueError(f"bootstrap.model: {model!r} is not one of {MODELS}")
     root = Path(root)
     sft = sft or SFT_DEFAULTS[task]
-    spec = spec or TinyModelSpec()
+    spec = spec or (TINY_MOE if model == "moe" else TinyModelSpec())
+    stem = "tiny-qwen3-moe" if spec.is_moe else "tiny-qwen3"
     n_train = SPLIT_SIZES[task][0] if n_train is None else n_train
     n_validation = SPLIT_SIZES[task][1] if n_validation is None else n_validation
     task_root = root if task == "arithmetic" else root / task
@@ -188,10 +197,10 @@ def ensure_default_assets(root: str | Path, *, task: str = "arithmetic", sft: SF
                 data_dir, n_train=n_train, n_validation=n_validation, seed=ADDITION_DATA_SEED + spec.seed,
                 spec=ADDITION_SPEC, n_sft=n_sft or ADDITION_SFT_ROWS, sft_spec=ADDITION_SFT_SPEC)
         data_marker.write_text(json.dumps(data_key))
-    base = build_tiny_model(task_root / "tiny-qwen3-base", spec)
-    sft_dir = task_root / ("tiny-qwen3-sft" if task == "arithmetic" else f"tiny-qwen3-sft-seed{sft.seed}")
+    base = build_tiny_model(task_root / f"{stem}-base", spec)
+    sft_dir = task_root / (f"{stem}-sft" if task == "arithmetic" else f"{stem}-sft-seed{sft.seed}")
     marker = sft_dir / ".complete"
-    key = {**asdict(sft), "data": data_key, "base": asdict(spec)}  # the SFT recipe, its data and its base model
+    key = {**asdict(sft), "data": data_key, "base": spec.key()}  # the SFT recipe, its data and its base model
     if not (marker.exists() and json.loads(marker.read_text()) == key):
         log(f"bootstrap: SFT warm start of {base} on {task} ({sft.steps} steps) -> {sft_dir}")
         sft_bootstrap(base, splits.get("sft", splits["train"]), sft_dir, sft, log=log, marker=key)

@@ -137,6 +137,7 @@ READERS = {
     "cluster.placement_strategy": ("workers/cluster.py", "cfg.cluster.placement_strategy"),
     "bootstrap.assets_dir": ("flows/grpo.py", "cfg.bootstrap.assets_dir"),
     "bootstrap.sft_steps": ("flows/grpo.py", "cfg.bootstrap.sft_steps"),
+    "bootstrap.model": ("flows/grpo.py", "cfg.bootstrap.model"),
 }
 
 # keys accepted at one value only: (override that must fail, with this dotted path)

@@ -6,7 +6,8 @@ import pytest
 from configs.schema import Config, ConfigError, config_from_dict, flatten, load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-TINY = ["tiny_bf16", "tiny_fp8_rollout", "tiny_fp8_e2e", "tiny_fp8_e2e_kv", "tiny_fp8_tensorwise_cc"]
+TINY = ["tiny_bf16", "tiny_fp8_rollout", "tiny_fp8_e2e", "tiny_fp8_e2e_kv", "tiny_fp8_tensorwise_cc", "tiny_moe_bf16",
+        "tiny_moe_fp8_e2e"]
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -27,8 +28,14 @@ def test_recipe_semantics():
         "bf16", "fp8-rollout", "fp8-e2e", "fp8-e2e-kvfp8")
     assert e2e.policy.megatron_cfg.fp8_cfg.fp8_recipe == "blockwise"
     assert cc.policy.megatron_cfg.fp8_cfg.fp8_recipe == "tensorwise" and cc.calibration.calibrated_clipping
+    moe, moe8 = load_config(CONFIGS / "tiny_moe_bf16.yaml"), load_config(CONFIGS / "tiny_moe_fp8_e2e.yaml")
+    assert (bf16.bootstrap.model, moe.bootstrap.model, moe8.bootstrap.model) == ("dense", "moe", "moe")
+    assert (moe.precision_tag, moe8.precision_tag) == ("bf16", "fp8-e2e")
+    assert moe8.trainer_fp8_spec() == e2e.trainer_fp8_spec() and moe8.loss_fn == e2e.loss_fn
+    with pytest.raises(ConfigError, match="bootstrap.model"):
+        load_config(CONFIGS / "tiny_moe_bf16.yaml", ["bootstrap.model=sparse"])
     # Same seed, steps and batch across the tiny family (fair comparisons).
-    for c in (e2e, kv, cc, ro):
+    for c in (e2e, kv, cc, ro, moe, moe8):
         assert (c.grpo, c.policy.optimizer) == (bf16.grpo, bf16.policy.optimizer)
 
 

@@ -99,3 +99,35 @@ def test_addition_assets_cache_is_keyed_by_the_data_spec(tmp_path, monkeypatch):
     assert json.loads((b["model_dir"] / ".complete").read_text())["data"]["sft_spec"]["carry_drop"] == 0.0
     rows = [json.loads(line) for line in b["sft"].read_text().splitlines()]
     assert all(addition_task.verify(r["solution"], r["answer"])[1] for r in rows)  # a clean teacher now
+
+
+def test_moe_spec_builds_a_qwen3_moe_beside_the_dense_assets(tmp_path):
+    """bootstrap.model=moe: the tiny Qwen3-MoE on the same data and tokenizer as the dense model, own dirs, per-expert
+    checkpoint names; a dense marker written before the MoE fields existed still matches the dense spec."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from workers.bootstrap import SFTConfig, ensure_default_assets
+    from workers.tiny_model import TINY_MOE
+
+    assert TINY_MOE.num_experts == 8 and TINY_MOE.num_experts_per_tok == 2
+    assert "num_experts" not in SMALL.key()  # dense markers unchanged
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        TinyModelSpec(num_experts=4, num_experts_per_tok=5)
+    moe = replace(SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
+    kw = dict(task="addition", n_train=50, n_validation=8, n_sft=64, log=lambda *_: None)
+    a = ensure_default_assets(tmp_path, sft=SFTConfig(steps=2, batch_size=4), spec=moe, model="moe", **kw)
+    d = ensure_default_assets(tmp_path, sft=SFTConfig(steps=2, batch_size=4), spec=SMALL, **kw)
+    assert a["model_dir"] == tmp_path / "addition" / "tiny-qwen3-moe-sft-seed0"
+    assert a["validation"] == d["validation"] and a["base_model_dir"] != d["base_model_dir"]
+    assert (a["model_dir"] / "tokenizer.json").read_text() == (d["model_dir"] / "tokenizer.json").read_text()
+    model = AutoModelForCausalLM.from_pretrained(a["model_dir"])
+    assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 4
+    from safetensors import safe_open
+
+    with safe_open(str(a["model_dir"] / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
+    with pytest.raises(ValueError, match="bootstrap.model"):
+        ensure_default_assets(tmp_path, model="huge", **kw)
