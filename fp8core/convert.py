@@ -3,7 +3,8 @@
 What changes: every ``nn.Linear`` inside ``model.model.layers[i]`` for the FP8 layers ``i`` (for Qwen3 / Llama:
 ``self_attn.{q,k,v,o}_proj`` and ``mlp.{gate,up,down}_proj``) becomes an :class:`fp8core.linear.FP8Linear` that
 shares the original ``weight`` / ``bias`` Parameter objects -- state_dict keys, optimizer state and weight tying are
-untouched. What stays in high precision: embeddings, ``lm_head``, all norms, attention math (softmax, RoPE) and the
+untouched. In Mixture-of-Experts layers the fused experts (``mlp.experts``) become :class:`fp8core.moe.FP8Experts`
+(each expert's gate / up / down an FP8 GEMM); routers are not linears and stay high precision (fp8core/moe.py). What stays in high precision: embeddings, ``lm_head``, all norms, attention math (softmax, RoPE) and the
 first / last decoder layers the caller asks to keep (FP8 errors hurt most at the model's ends).
 
 The model is duck-typed (``model.model.layers`` as for ``*ForCausalLM``, or ``model.layers`` for a bare decoder),
@@ -70,6 +71,10 @@ def convert_to_fp8(model: nn.Module, config: FP8LinearConfig, *, num_first_layer
                 parent = layers[i].get_submodule(parent_name) if parent_name else layers[i]
                 setattr(parent, child, FP8Linear.from_linear(module, config))
             converted.append(f"{prefix}.{i}.{name}")
+    from fp8core.moe import convert_experts
+
+    converted += convert_experts(model, config, fp8_layer_indices(len(layers), num_first_layers_in_bf16,
+                                                                 num_last_layers_in_bf16))
     if converted:
         from fp8core import kernels
 
@@ -88,7 +93,10 @@ def fp8_modules(model: nn.Module) -> Iterator[tuple[str, FP8Linear]]:
 def high_precision(model: nn.Module):
     """Run ``model``'s FP8Linear layers as plain linears on the same master weights inside the block; the previous
     per-module switches are restored on exit (also on error)."""
+    from fp8core.moe import FP8Experts
+
     previous = [(m, m.fp8_enabled) for _, m in fp8_modules(model)]
+    previous += [(m, m.fp8_enabled) for m in model.modules() if isinstance(m, FP8Experts) and m.config is not None]
     try:
         for m, _ in previous:
             m.fp8_enabled = False

@@ -4,7 +4,9 @@ For every :class:`fp8core.linear.FP8Linear` the forward weight quantization of i
 (``FP8Linear.quantized_weight()``: E4M3 codes + FP32 dequantization scales) under the Hugging Face names
 ``<module>.weight`` (float8_e4m3fn) and ``<module>.weight_scale_inv`` (FP32; shape per recipe: block128
 ``[ceil(N/128), ceil(K/128)]``, rowwise ``[N, 1]``, tensorwise ``[]``) -- vLLM's name for a dequantization scale.
-Every other tensor (embeddings, norms, lm_head, biases, BF16-kept layers) in ``hp_dtype``.
+Every other tensor (embeddings, norms, lm_head, biases, routers, BF16-kept layers) in ``hp_dtype``. Fused MoE experts
+are served under their checkpoint names, one expert and projection at a time (``<...>.experts.<e>.gate_proj.weight``
++ ``weight_scale_inv``, :func:`fp8core.moe.checkpoint_state_dict`), FP8 for :class:`fp8core.moe.FP8Experts`.
 
 The rollout engine loads this without re-quantizing (FP8 over the wire at refit; an exported FP8 checkpoint), so
 it holds exactly the trainer's quantization: half the bytes of a BF16 refit for the FP8 layers, and no second
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from fp8core.linear import FP8Linear
+from fp8core.moe import PARTS, FP8Experts, checkpoint_state_dict
 
 __all__ = ["SCALE_SUFFIX", "served_state_dict"]
 
@@ -26,8 +29,12 @@ SCALE_SUFFIX = "_scale_inv"  # <module>.weight -> <module>.weight_scale_inv
 def served_state_dict(model: nn.Module, *, hp_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """HF-named CPU tensors: FP8 codes + scales for the FP8 linears' weights, ``hp_dtype`` copies for the rest."""
     fp8 = {f"{name}.weight": m.quantized_weight() for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Experts) and m.config is not None:
+            fp8.update({f"{name}.{e}.{part}_proj.weight": m.quantized_weight(e, part)
+                        for e in range(m.num_experts) for part in PARTS})
     out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
+    for name, t in checkpoint_state_dict(model.state_dict()).items():
         q = fp8.get(name)
         if q is None:
             out[name] = t.detach().to("cpu", hp_dtype).clone()

@@ -50,6 +50,9 @@ def load_trainer_model(model_dir: str | Path, *, fp8: bool, num_first_layers_in_
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    from fp8core.moe import convert_routers
+
+    convert_routers(model)  # MoE models: FP32 router logits, vLLM's routing rule (fp8core/moe.py)
     if fp8:
         from fp8core.convert import convert_to_fp8
         from fp8core.linear import FP8LinearConfig

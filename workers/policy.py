@@ -192,6 +192,9 @@ class PolicyWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
         self.model.config.use_cache = False
+        from fp8core.moe import convert_routers
+
+        self.moe_layers = convert_routers(self.model)  # MoE: routers in FP32 (fp8core/moe.py); [] for dense models
         self.fp8_layers: list[str] = []
         f8 = p.megatron_cfg.fp8_cfg
         if f8.enabled:
@@ -247,8 +250,11 @@ class PolicyWorker:
         layers from what it receives, so it must receive the masters the trainer's FP8Linear quantizes: a BF16 copy
         would make the engine hold ``quantize(bf16(w))`` instead of the trainer's ``quantize(w)`` (2.2% of FP8 codes
         and every block scale differed on a trained checkpoint)."""
-        dt = getattr(torch, dtype)
-        return {k: v.detach().to("cpu", dt).clone() for k, v in self.model.state_dict().items()}
+        from fp8core.moe import checkpoint_state_dict
+
+        dt = getattr(torch, dtype)  # MoE experts under their checkpoint (per-expert) names, as the engine loads them
+        return {k: v.detach().to("cpu", dt).clone()
+                for k, v in checkpoint_state_dict(self.model.state_dict()).items()}
 
     def refit_weights(self) -> dict[str, torch.Tensor]:
         """What a refit ships. End-to-end FP8 (the engine runs this trainer's FP8 numerics, Config.rollout_fp8_spec
