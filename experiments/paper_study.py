@@ -1,0 +1,313 @@
+"""Experiment ``fp8-grpo-paper-study``: the study of "Towards Full Pipeline FP8 RL" on the embedded workload -- BF16 vs
+vanilla end-to-end FP8 vs FP8 + Calibrated Clipping for the blockwise, rowwise and tensorwise recipes, the
+ratio-error amplification at every calibration, and an ablation of the calibration interval with the shadow pass's
+wall-clock cost.
+
+    python -m experiments.paper_study [--seeds 0,1,2] [--fp8-recipes blockwise,rowwise,tensorwise]
+                                      [--clip-period 5] [--intervals 1,2,5] [--ablation-recipe blockwise]
+                                      [--out runs/paper_study] [--table-only] [key=value ...]
+
+Arms (each a recipe + overrides; one ``fp8-grpo`` run per arm x seed, child MLflow runs of one parent, resumable:
+experiments/grid.py):
+
+- ``bf16``: configs/tiny_bf16.yaml;
+- ``fp8-<r>``: configs/tiny_fp8_e2e.yaml with ``policy.megatron_cfg.fp8_cfg.fp8_recipe=<r>`` (the rollout follows
+  the trainer's recipe), fixed BF16 clip bounds;
+- ``fp8-<r>-cc``: the same + ``calibration.calibrated_clipping=true calibration.clip_period=<K>`` (``--clip-period``);
+- interval ablation ``fp8-<ablation recipe>-cc-k<K>`` for each K of ``--intervals`` (the main CC arm stands for its
+  own K). Every Calibrated-Clipping run must calibrate at least 3 times (``grpo.max_num_steps // K >= 3``), else the
+  command fails before training, naming the interval.
+
+Tables (``<out>/paper_study.md``, logged to the parent with the PNG plots under ``<out>/plots``): per arm the
+validation accuracy at the last validation and its difference to BF16 (paired on prompts and seeds), the mean of
+``clip/lower_neg_adv_frac`` (negative-advantage tokens silenced at the lower bound: the paper's failure signal, pooled
+over the updates after the first of each step), ``policy/entropy`` first -> last step, the mean
+``calib/ratio_error_amplification`` over the calibrations (mean |r_fp8 - r_bf16| / mean |p_fp8 - p_bf16|,
+fp8core/rl/calibrated_clipping.py) and the bounds after the last calibration; per interval K the number of
+calibrations, the shadow pass's time per calibration (``time/clip_calibration_s``) and its share of the step time and
+of the run's wall time. Means over seeds with a 95% t interval over seeds (none with one seed); accuracies with a
+bootstrap over prompts, seeds as strata.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # as flows/grpo.py: Prefect reads its home at import, keep it under runs/
+    from flows.cli_env import prefect_cli_env
+
+    prefect_cli_env()
+
+from prefect import flow  # noqa: E402
+
+from experiments.grid import (  # noqa: E402
+    Arm,
+    ArmRuns,
+    Grid,
+    accuracy_curve,
+    accuracy_vs,
+    as_points,
+    collect,
+    fmt_ci,
+    log_report,
+    mean,
+    metric_curve,
+    metric_summary,
+    parse_ints,
+    plot_curves,
+    run_grid,
+    seed_t_interval,
+)
+
+EXPERIMENT = "fp8-grpo-paper-study"
+SEEDS = (0, 1, 2)
+FP8_RECIPES = ("blockwise", "rowwise", "tensorwise")
+CLIP_PERIOD = 5  # 3 calibrations in the tiny recipes' 15 steps
+INTERVALS = (1, 2, 5)
+MIN_CALIBRATIONS = 3
+BF16_RECIPE, FP8_RECIPE = "configs/tiny_bf16.yaml", "configs/tiny_fp8_e2e.yaml"
+KEYS = ("clip/lower_neg_adv_frac", "clip/upper_pos_adv_frac", "policy/entropy", "calib/ratio_error_amplification",
+        "clip/bound_low", "clip/bound_high", "time/clip_calibration_s", "time/step_s", "calib/step")
+
+
+def _cc(k: int) -> tuple[str, ...]:
+    return ("calibration.calibrated_clipping=true", f"calibration.clip_period={k}")
+
+
+def make_arms(fp8_recipes=FP8_RECIPES, clip_period: int = CLIP_PERIOD, intervals=INTERVALS,
+              ablation_recipe: str = "blockwise") -> tuple[tuple[Arm, ...], dict[int, str]]:
+    """The arms (module docstring) and the interval ablation's {K: arm name}."""
+    for r in [*fp8_recipes, ablation_recipe] if intervals else fp8_recipes:
+        if r not in FP8_RECIPES:
+            raise ValueError(f"--fp8-recipes / --ablation-recipe: unknown FP8 recipe {r!r} (valid: "
+                             f"{', '.join(FP8_RECIPES)})")
+    if len(set(intervals)) != len(intervals) or any(k < 1 for k in intervals):
+        raise ValueError(f"--intervals: distinct integers >= 1 expected, got {list(intervals)}")
+    arms = [Arm("bf16", BF16_RECIPE, label="BF16")]
+    for r in fp8_recipes:
+        rec = (f"policy.megatron_cfg.fp8_cfg.fp8_recipe={r}",)
+        arms.append(Arm(f"fp8-{r}", FP8_RECIPE, rec, label=f"FP8 {r}"))
+        arms.append(Arm(f"fp8-{r}-cc", FP8_RECIPE, rec + _cc(clip_period), label=f"FP8 {r} + CC (K={clip_period})"))
+    ablation = {}
+    for k in intervals:
+        if k == clip_period and ablation_recipe in fp8_recipes:
+            ablation[k] = f"fp8-{ablation_recipe}-cc"
+            continue
+        name = f"fp8-{ablation_recipe}-cc-k{k}"
+        arms.append(Arm(name, FP8_RECIPE, (f"policy.megatron_cfg.fp8_cfg.fp8_recipe={ablation_recipe}", *_cc(k)),
+                        label=f"FP8 {ablation_recipe} + CC (K={k})"))
+        ablation[k] = name
+    return tuple(arms), dict(sorted(ablation.items()))
+
+
+def ablation_only(ablation: dict[int, str]) -> set[str]:
+    """The arms that exist only for the interval ablation (``...-cc-k<K>``; the main CC arm stands for its own K)."""
+    return {v for v in ablation.values() if re.search(r"-cc-k\d+$", v)}
+
+
+def make_grid(arms, seeds, overrides, out_dir, ablation: dict[int, str]) -> Grid:
+    return Grid(arms=tuple(arms), seeds=tuple(seeds), root=Path(out_dir).resolve(), common=tuple(overrides),
+                kind="paper_study", marker_name="paper_study.json",
+                note="The paper's study: BF16 vs vanilla FP8 vs FP8 + Calibrated Clipping per FP8 recipe, ratio-error "
+                     "amplification, calibration-interval ablation with the shadow pass's cost (tables in "
+                     "paper_study.md, plots under plots/)",
+                settings={"arms": [[a.name, a.recipe, list(a.overrides)] for a in arms], "seeds": list(seeds),
+                          "overrides": list(overrides), "ablation": {str(k): v for k, v in ablation.items()}})
+
+
+def check_calibrations(grid: Grid) -> None:
+    """Every Calibrated-Clipping arm calibrates >= MIN_CALIBRATIONS times (steps K, 2K, ... <= max_num_steps)."""
+    for name, cfg in grid.check_configs().items():
+        cal = cfg.calibration
+        if not cal.calibrated_clipping:
+            continue
+        n = cfg.grpo.max_num_steps // cal.clip_period
+        if n < MIN_CALIBRATIONS:
+            raise ValueError(
+                f"calibration.clip_period: K={cal.clip_period} ({name}) calibrates {n} time(s) in "
+                f"grpo.max_num_steps={cfg.grpo.max_num_steps} steps; at least {MIN_CALIBRATIONS} are needed (use "
+                f"K <= {cfg.grpo.max_num_steps // MIN_CALIBRATIONS} in --intervals / --clip-period, or more steps)")
+
+
+def _first_last(h: dict[int, float]) -> tuple[float, float]:
+    return (h[min(h)], h[max(h)]) if h else (float("nan"), float("nan"))
+
+
+def _shadow(a: ArmRuns) -> dict:
+    """The shadow pass's cost per seed -> t intervals over seeds: calibrations per run, seconds per calibration,
+    share of the summed step time, share of the run's wall time."""
+    n_cal, per_cal, step_share, wall_share = [], [], [], []
+    for hc, hs, hstep, summ in zip(a.hist["time/clip_calibration_s"], a.hist["calib/step"], a.hist["time/step_s"],
+                                   a.summaries, strict=True):
+        total = sum(hc.values())
+        n = len(hs)
+        n_cal.append(float(n))
+        per_cal.append(total / n if n else float("nan"))
+        step_share.append(total / sum(hstep.values()) if hstep else float("nan"))
+        wall_share.append(total / summ["wall_s"] if summ.get("wall_s") else float("nan"))
+    return {"calibrations": seed_t_interval(n_cal), "s_per_calibration": seed_t_interval(per_cal),
+            "share_of_step_time": seed_t_interval(step_share), "share_of_wall": seed_t_interval(wall_share)}
+
+
+def rows(runs: list[ArmRuns], *, n_boot: int = 2000) -> list[dict]:
+    out = []
+    ref = runs[0] if runs and runs[0].arm.name == "bf16" else None
+    for a in runs:
+        curve = accuracy_curve(a, n_boot=n_boot)
+        last = a.last_val_step
+        ent = [_first_last(h) for h in a.hist["policy/entropy"]]
+        cc = any(o.startswith("calibration.calibrated_clipping=true") for o in a.arm.overrides)
+        out.append({
+            "arm": a.arm.name, "label": a.arm.label, "overrides": list(a.arm.overrides), "seeds": a.seeds,
+            "calibrated_clipping": cc, "mlflow_run_ids": a.run_ids, "curve": curve, "last_step": last,
+            "acc_last": curve[last], "val_prompts": curve[last]["n"] // len(a.seeds),
+            "vs_bf16": None if ref is None or a is ref else accuracy_vs(ref, a, n_boot=n_boot),
+            "lower_neg_adv_frac": metric_summary(a, "clip/lower_neg_adv_frac"),
+            "upper_pos_adv_frac": metric_summary(a, "clip/upper_pos_adv_frac"),
+            "entropy_first": mean(e[0] for e in ent), "entropy_last": mean(e[1] for e in ent),
+            "ratio_error_amplification": metric_summary(a, "calib/ratio_error_amplification") if cc else None,
+            "bound_low_last": mean(_first_last(h)[1] for h in a.hist["clip/bound_low"]),
+            "bound_high_last": mean(_first_last(h)[1] for h in a.hist["clip/bound_high"]),
+            "step_s": metric_summary(a, "time/step_s"),
+            "shadow": _shadow(a) if cc else None,
+            "wall_s": sum(s["wall_s"] for s in a.summaries) / len(a.summaries)})
+    return out
+
+
+def table(rs: list[dict], ablation: dict[int, str], missing: list[str], *, n_boot: int) -> str:
+    pct = lambda e: fmt_ci(e, scale=100, digits=2) + "%"  # noqa: E731
+    lines = ["| arm | seeds | val accuracy, last validation [95% CI] | vs BF16, points [95% CI] | clip/lower_neg_adv_frac "
+             "[95% CI] | clip/upper_pos_adv_frac | entropy, first -> last step | ratio-error amplification [95% CI] "
+             "| clip bounds at the end | step time |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    by_name = {r["arm"]: r for r in rs}
+    main = [r for r in rs if r["arm"] not in ablation_only(ablation)]
+    for r in main:
+        vs = "(reference)" if r["arm"] == "bf16" else ("n/a" if r["vs_bf16"] is None else
+                                                       fmt_ci(r["vs_bf16"], scale=100, digits=1, signed=True))
+        amp = "-" if r["ratio_error_amplification"] is None else fmt_ci(r["ratio_error_amplification"], digits=2)
+        lines.append(
+            f"| {r['label']} (`{r['arm']}`) | {', '.join(map(str, r['seeds']))} | {fmt_ci(r['acc_last'])} (step "
+            f"{r['last_step']}, {r['val_prompts']} prompts) | {vs} | {pct(r['lower_neg_adv_frac'])} | "
+            f"{100 * r['upper_pos_adv_frac']['value']:.2f}% | {r['entropy_first']:.3f} -> {r['entropy_last']:.3f} | "
+            f"{amp} | [{r['bound_low_last']:.2f}, {r['bound_high_last']:.2f}] | {fmt_ci(r['step_s'], digits=1)} s |")
+    lines.append("")
+    if ablation:
+        lines += ["Calibration-interval ablation (Calibrated Clipping, shadow pass = BF16 forwards of the old and the "
+                  "updated policy on calibration steps):", "",
+                  "| K | arm | seeds | calibrations per run | shadow pass per calibration | share of step time "
+                  "| share of run wall time | ratio-error amplification | clip/lower_neg_adv_frac | val accuracy, last "
+                  "| vs BF16, points |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for k, name in ablation.items():
+            r = by_name.get(name)
+            if r is None:
+                continue
+            sh = r["shadow"]
+            vs = "n/a" if r["vs_bf16"] is None else fmt_ci(r["vs_bf16"], scale=100, digits=1, signed=True)
+            lines.append(
+                f"| {k} | `{name}` | {', '.join(map(str, r['seeds']))} | {sh['calibrations']['value']:.1f} | "
+                f"{fmt_ci(sh['s_per_calibration'], digits=2)} s | {fmt_ci(sh['share_of_step_time'], scale=100, digits=1)}% "
+                f"| {fmt_ci(sh['share_of_wall'], scale=100, digits=1)}% | "
+                f"{fmt_ci(r['ratio_error_amplification'], digits=2)} | {pct(r['lower_neg_adv_frac'])} | "
+                f"{fmt_ci(r['acc_last'])} | {vs} |")
+        lines.append("")
+    if missing:
+        lines.append(f"Not finished (not in the tables): {', '.join(missing)}.")
+    lines.append("Accuracy: near-greedy validation on the main set, mean over seeds, CI from a bootstrap over prompts "
+                 "with seeds as strata, the difference paired on the same prompts and seeds (fp8core.stats."
+                 f"paired_bootstrap, {n_boot} replicates). Clip fractions: pooled over the optimizer updates after "
+                 "the first of each step, mean over steps per seed; those and the other per-step figures: mean over "
+                 "seeds with a t interval over seeds (none with one seed). Ratio-error amplification: mean over the "
+                 "run's calibrations of mean |r_fp8 - r_bf16| / mean |p_fp8 - p_bf16| (same tokens).")
+    return "\n".join(lines) + "\n"
+
+
+def plots(runs: list[ArmRuns], rs: list[dict], ablation: dict[int, str], plot_dir: Path) -> list[Path]:
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    abl_only = ablation_only(ablation)
+    main = [a for a in runs if a.arm.name not in abl_only]
+    acc = {r["label"]: as_points(r["curve"]) for r in rs if r["arm"] not in abl_only}
+    figs = [plot_curves(plot_dir / "paper_study.png", "BF16 vs FP8 vs FP8 + Calibrated Clipping (mean of seeds, 95% CI)",
+                        [("clip/lower_neg_adv_frac", {a.arm.label: metric_curve(a, "clip/lower_neg_adv_frac")
+                                                      for a in main}),
+                         ("policy/entropy", {a.arm.label: metric_curve(a, "policy/entropy") for a in main}),
+                         ("validation accuracy", acc),
+                         ("calib/ratio_error_amplification",
+                          {a.arm.label: metric_curve(a, "calib/ratio_error_amplification") for a in main
+                           if any(a.hist["calib/ratio_error_amplification"])})])]
+    abl = [a for a in runs if a.arm.name in ablation.values()]
+    if abl:
+        figs.append(plot_curves(plot_dir / "paper_study_intervals.png", "Calibration interval K (mean of seeds)",
+                                [("clip bound L", {a.arm.label: metric_curve(a, "clip/bound_low") for a in abl}),
+                                 ("clip/lower_neg_adv_frac", {a.arm.label: metric_curve(a, "clip/lower_neg_adv_frac")
+                                                              for a in abl}),
+                                 ("shadow pass time per step (s)",
+                                  {a.arm.label: metric_curve(a, "time/clip_calibration_s") for a in abl})]))
+    return figs
+
+
+def report(grid: Grid, uri: str, parent: str, ablation: dict[int, str], *, n_boot: int = 2000) -> dict:
+    runs, missing = collect(grid, uri, KEYS)
+    rs = rows(runs, n_boot=n_boot)
+    md = table(rs, ablation, missing, n_boot=n_boot)
+    figs = plots(runs, rs, ablation, grid.root / "plots") if runs else []
+    log_report(uri, parent, grid.root, {"paper_study.md": md,
+                                        "paper_study.json": json.dumps(rs, indent=1, default=str)}, figs)
+    print(md, flush=True)
+    return {"table": md, "rows": rs, "plots": [str(f) for f in figs], "ablation": ablation}
+
+
+@flow(name="fp8-grpo-paper-study", log_prints=False, validate_parameters=True)
+def paper_study(seeds: list[int] | None = None, fp8_recipes: list[str] | None = None, clip_period: int = CLIP_PERIOD,
+                intervals: list[int] | None = None, ablation_recipe: str = "blockwise",
+                overrides: list[str] | None = None, out_dir: str = "runs/paper_study",
+                experiment_name: str = EXPERIMENT, tracking_uri: str | None = None, n_boot: int = 2000,
+                train: bool = True) -> dict:
+    arms, ablation = make_arms(tuple(FP8_RECIPES if fp8_recipes is None else fp8_recipes), clip_period,
+                               tuple(INTERVALS if intervals is None else intervals), ablation_recipe)
+    grid = make_grid(arms, list(SEEDS) if seeds is None else seeds, overrides or [], out_dir, ablation)
+    check_calibrations(grid)
+    return run_grid(grid, experiment=experiment_name, tracking_uri=tracking_uri, train=train,
+                    report=lambda g, uri, parent: report(g, uri, parent, ablation, n_boot=n_boot))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m experiments.paper_study", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated integers")
+    ap.add_argument("--fp8-recipes", default=",".join(FP8_RECIPES), help="comma-separated subset of "
+                    + ", ".join(FP8_RECIPES))
+    ap.add_argument("--clip-period", type=int, default=CLIP_PERIOD, help="K of the main Calibrated-Clipping arms")
+    ap.add_argument("--intervals", default=",".join(map(str, INTERVALS)),
+                    help="the ablation's K values (comma-separated; empty = no ablation)")
+    ap.add_argument("--ablation-recipe", default="blockwise")
+    ap.add_argument("--out", default="runs/paper_study", help="experiment directory (resumable)")
+    ap.add_argument("--tracking-uri", default=None)
+    ap.add_argument("--n-boot", type=int, default=2000)
+    ap.add_argument("--table-only", action="store_true", help="no training: the tables of the runs finished so far")
+    ap.add_argument("overrides", nargs="*", help="recipe overrides key=value, applied to every run")
+    a = ap.parse_args(argv)
+    from configs.schema import ConfigError
+    from fp8core.cpu import apply_cpu_cap
+
+    try:
+        seeds = parse_ints(a.seeds, "--seeds")
+        intervals = parse_ints(a.intervals, "--intervals")
+        recipes = [s.strip() for s in a.fp8_recipes.split(",") if s.strip()]
+        arms, ablation = make_arms(tuple(recipes), a.clip_period, tuple(intervals), a.ablation_recipe)
+        check_calibrations(make_grid(arms, seeds, a.overrides, a.out, ablation))
+        apply_cpu_cap()
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    paper_study(seeds, recipes, a.clip_period, intervals, a.ablation_recipe, a.overrides, a.out,
+                tracking_uri=a.tracking_uri, n_boot=a.n_boot, train=not a.table_only)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

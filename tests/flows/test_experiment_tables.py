@@ -1,0 +1,166 @@
+"""experiments.grid / recipe_table / paper_study on hand-made finished runs (no training): the resume markers, the
+seed statistics, the tables' figures (accuracy CIs from per-prompt files, paired differences, per-step means, the
+shadow pass's cost) and the plots."""
+import json
+import math
+
+import pytest
+
+from experiments.grid import Arm, Grid, seed_mean, seed_t_interval
+
+
+def _fake_run(grid: Grid, arm: Arm, seed: int, uri: str, val: dict[int, list[int]], metrics: dict[str, dict],
+              wall_s: float = 100.0):
+    """A finished run of ``arm`` x ``seed``: MLflow metrics, per-prompt validation files, summary.json, marker."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=uri)
+    exp = c.get_experiment_by_name("t") or c.get_experiment(c.create_experiment("t"))
+    run_id = c.create_run(exp.experiment_id).info.run_id
+    c.log_batch(run_id, metrics=[Metric(k, float(v), 0, st) for k, h in metrics.items() for st, v in h.items()])
+    d = grid.run_dir(arm, seed)
+    (d / "val" / "main").mkdir(parents=True)
+    files = {}
+    for step, vals in val.items():
+        f = d / "val" / "main" / f"step_{step:06d}.jsonl"
+        f.write_text("".join(json.dumps({"id": i, "correct": bool(v)}) + "\n" for i, v in enumerate(vals)))
+        files[str(step)] = str(f)
+    (d / "summary.json").write_text(json.dumps({"val_accuracy": {str(s): sum(v) / len(v) for s, v in val.items()},
+                                                "val_files": {"main": files}, "wall_s": wall_s}))
+    (d / grid.marker_name).write_text(json.dumps({**grid.marker(arm, seed), "mlflow_run_id": run_id}))
+    return run_id
+
+
+def test_grid_markers_order_and_validation(tmp_path):
+    a, b = Arm("x", "configs/tiny_bf16.yaml"), Arm("y", "configs/tiny_fp8_e2e.yaml", ("grpo.max_num_steps=3",))
+    g = Grid((a, b), (0, 1), tmp_path, common=("grpo.val_period=1",))
+    assert [(arm.name, s) for arm, s in g.cells()] == [("x", 0), ("y", 0), ("x", 1), ("y", 1)]  # seed-major
+    assert g.overrides(b) == ["grpo.max_num_steps=3", "grpo.val_period=1"]
+    assert not g.finished(a, 0)
+    d = g.run_dir(a, 0)
+    d.mkdir()
+    (d / g.marker_name).write_text(json.dumps({**g.marker(a, 0), "mlflow_run_id": "r"}))
+    assert not g.finished(a, 0)  # no summary.json: the run did not finish
+    (d / "summary.json").write_text("{}")
+    assert g.finished(a, 0) and g.done() == {("x", 0)}
+    # the same directory under other common overrides (another experiment's settings) is not "finished"
+    g2 = Grid((a, b), (0, 1), tmp_path, common=("grpo.val_period=2",))
+    assert not g2.finished(a, 0)
+    (d / g.marker_name).write_text("{not json")
+    assert not g.finished(a, 0)
+    with pytest.raises(ValueError, match="duplicate names"):
+        Grid((a, a), (0,), tmp_path)
+    with pytest.raises(ValueError, match="seeds: duplicates"):
+        Grid((a,), (0, 0), tmp_path)
+    with pytest.raises(ValueError, match="plain directory name"):
+        Arm("a/b", "configs/tiny_bf16.yaml")
+    from configs.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="grpo.max_num_stepz: unknown key"):
+        Grid((a,), (0,), tmp_path, common=("grpo.max_num_stepz=3",)).check_configs()
+
+
+def test_seed_statistics():
+    e = seed_t_interval([1.0, 2.0, 3.0])  # sd 1, t(0.975, 2) = 4.3027: half-width 4.3027 / sqrt(3) = 2.4841
+    assert e["value"] == 2.0 and e["lo"] == pytest.approx(2.0 - 2.4841, abs=1e-3) and e["n"] == 3
+    one = seed_t_interval([0.7])
+    assert one["value"] == 0.7 and math.isnan(one["lo"]) and math.isnan(one["hi"])
+    m = seed_mean([[1, 1, 0, 0], [1, 0, 0, 0]], n_boot=500)
+    assert m["value"] == pytest.approx(0.375) and m["lo"] <= 0.375 <= m["hi"] and m["n"] == 8 and m["lo"] < m["hi"]
+
+
+def _recipe_metrics(mult, step_s):
+    return {"mismatch/token_mult_prob_error": {1: mult, 2: mult + 0.002}, "time/step_s": {1: step_s, 2: step_s + 2},
+            "time/rollout_s": {1: 1.0, 2: 1.0}, "time/train_s": {1: 3.0, 2: 3.0}}
+
+
+def test_recipe_table_from_finished_runs_resumes_parent(tmp_path):
+    from experiments.grid import run_grid
+    from experiments.recipe_table import ARMS, make_grid, report
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    arms = [a for a in ARMS if a.name in ("bf16", "fp8-e2e", "fp8-e2e-kv")]
+    g = make_grid(arms, [0, 1], [], tmp_path / "rt")
+    bf16, e2e = arms[0], arms[1]
+    # bf16 last-step accuracy 0.75 (seed 0) and 0.5 (seed 1); fp8-e2e 0.5 and 0.5 on the same prompts
+    _fake_run(g, bf16, 0, uri, {0: [0, 0, 0, 0], 2: [1, 1, 1, 0]}, _recipe_metrics(1.001, 4.0))
+    _fake_run(g, bf16, 1, uri, {0: [0, 0, 0, 0], 2: [1, 1, 0, 0]}, _recipe_metrics(1.003, 6.0))
+    _fake_run(g, e2e, 0, uri, {0: [0, 0, 0, 0], 2: [1, 0, 1, 0]}, _recipe_metrics(1.011, 8.0))
+    _fake_run(g, e2e, 1, uri, {0: [0, 0, 0, 0], 2: [1, 1, 0, 0]}, _recipe_metrics(1.013, 10.0))
+    kw = dict(experiment="t-rt", tracking_uri=uri, train=False)
+    r1 = run_grid(g, report=lambda gr, u, p: report(gr, u, p, n_boot=300), **kw)
+    rows = {r["arm"]: r for r in r1["rows"]}
+    assert set(rows) == {"bf16", "fp8-e2e"}  # fp8-e2e-kv: nothing finished
+    b, f = rows["bf16"], rows["fp8-e2e"]
+    assert b["acc_last"]["value"] == pytest.approx(0.625) and b["curve"][0]["value"] == 0.0
+    assert b["vs_ref"] is None and f["vs_ref"]["value"] == pytest.approx(-0.125) and f["vs_ref"]["seeds"] == [0, 1]
+    assert f["vs_ref"]["lo"] <= -0.125 <= f["vs_ref"]["hi"]
+    # per-seed means over steps 1.012 and 1.014 -> 1.013; step time (9 + 11) / 2 = 10 with a t interval
+    assert f["token_mult_prob_error"]["value"] == pytest.approx(1.013)
+    assert f["step_s"]["value"] == pytest.approx(10.0) and f["step_s"]["lo"] < 10.0 < f["step_s"]["hi"]
+    t = r1["table"]
+    assert "| end-to-end FP8 (`fp8-e2e`) | 0, 1 | 0.500 [" in t and "**-12.5 [" in t and "| 0: 0.000 / 2: 0.625 |" in t
+    assert "Not finished (not in the table): fp8-e2e-kv seed 0, fp8-e2e-kv seed 1." in t
+    assert (tmp_path / "rt" / "recipe_table.md").read_text() == t
+    assert (tmp_path / "rt" / "plots" / "recipe_table.png").stat().st_size > 10_000
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=uri)
+    arts = {a.path for a in c.list_artifacts(r1["parent_run_id"])}
+    assert {"recipe_table.md", "plots"} <= arts
+    assert c.get_run(r1["parent_run_id"]).info.status == "FINISHED"
+    r2 = run_grid(g, report=lambda gr, u, p: report(gr, u, p, n_boot=300), **kw)  # a rerun reuses the parent
+    assert r2["parent_run_id"] == r1["parent_run_id"] and r2["rows"][1]["vs_ref"] == f["vs_ref"]
+
+
+def test_paper_study_tables_and_shadow_cost(tmp_path):
+    from experiments.grid import run_grid
+    from experiments.paper_study import check_calibrations, make_arms, make_grid, report
+
+    arms, ablation = make_arms(("blockwise",), 2, (1, 2), "blockwise")
+    assert [a.name for a in arms] == ["bf16", "fp8-blockwise", "fp8-blockwise-cc", "fp8-blockwise-cc-k1"]
+    assert ablation == {1: "fp8-blockwise-cc-k1", 2: "fp8-blockwise-cc"}
+    over = ["grpo.max_num_steps=6"]
+    g = make_grid(arms, [0], over, tmp_path / "ps", ablation)
+    with pytest.raises(ValueError, match=r"K=2 \(fp8-blockwise-cc\) calibrates 1 time"):
+        check_calibrations(make_grid(arms, [0], ["grpo.max_num_steps=3"], tmp_path / "ps", ablation))
+    check_calibrations(g)  # 6 // 2 = 3 and 6 // 1 = 6 calibrations
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    steps = (1, 2, 3, 4, 5, 6)
+
+    def metrics(lower, amp=None, cal_steps=(), cal_s=0.5):
+        m = {"clip/lower_neg_adv_frac": dict.fromkeys(steps, lower), "clip/upper_pos_adv_frac": dict.fromkeys(steps, 0.01),
+             "policy/entropy": {s: 0.55 - 0.05 * s for s in steps}, "clip/bound_low": dict.fromkeys(steps, 0.8),
+             "clip/bound_high": dict.fromkeys(steps, 1.28), "time/step_s": dict.fromkeys(steps, 5.0),
+             "time/clip_calibration_s": {s: (cal_s if s in cal_steps else 0.0) for s in steps}}
+        if amp is not None:
+            m["calib/ratio_error_amplification"] = {s: amp + s for s in cal_steps}
+            m["calib/step"] = {s: float(s) for s in cal_steps}
+        return m
+
+    val = {0: [0, 0, 0, 0], 6: [1, 1, 0, 0]}
+    _fake_run(g, arms[0], 0, uri, val, metrics(0.01))
+    _fake_run(g, arms[1], 0, uri, {0: [0, 0, 0, 0], 6: [1, 0, 0, 0]}, metrics(0.04))
+    _fake_run(g, arms[2], 0, uri, val, metrics(0.012, amp=1.0, cal_steps=(2, 4, 6)), wall_s=40.0)
+    _fake_run(g, arms[3], 0, uri, val, metrics(0.011, amp=2.0, cal_steps=steps, cal_s=1.0), wall_s=60.0)
+    out = run_grid(g, experiment="t-ps", tracking_uri=uri, train=False,
+                   report=lambda gr, u, p: report(gr, u, p, ablation, n_boot=300))
+    rows = {r["arm"]: r for r in out["rows"]}
+    assert rows["fp8-blockwise"]["vs_bf16"]["value"] == pytest.approx(-0.25)
+    assert rows["fp8-blockwise"]["lower_neg_adv_frac"]["value"] == pytest.approx(0.04)
+    assert rows["fp8-blockwise"]["ratio_error_amplification"] is None and rows["fp8-blockwise"]["shadow"] is None
+    cc, k1 = rows["fp8-blockwise-cc"], rows["fp8-blockwise-cc-k1"]
+    assert cc["ratio_error_amplification"]["value"] == pytest.approx(5.0)  # steps 2, 4, 6: 1 + step
+    assert cc["shadow"]["calibrations"]["value"] == 3 and cc["shadow"]["s_per_calibration"]["value"] == 0.5
+    assert cc["shadow"]["share_of_step_time"]["value"] == pytest.approx(1.5 / 30.0)
+    assert cc["shadow"]["share_of_wall"]["value"] == pytest.approx(1.5 / 40.0)
+    assert k1["shadow"]["calibrations"]["value"] == 6 and k1["shadow"]["share_of_wall"]["value"] == pytest.approx(0.1)
+    assert cc["entropy_first"] == pytest.approx(0.5) and cc["entropy_last"] == pytest.approx(0.25)
+    t = out["table"]
+    main_table, abl_table = t.split("Calibration-interval ablation")
+    assert "`fp8-blockwise-cc-k1`" not in main_table and "`fp8-blockwise-cc`" in main_table
+    assert "| 1 | `fp8-blockwise-cc-k1` |" in abl_table and "| 2 | `fp8-blockwise-cc` |" in abl_table
+    assert "| 10.0% |" in abl_table  # k1: 6 x 1 s of 60 s wall time
+    for png in ("paper_study.png", "paper_study_intervals.png"):
+        assert (tmp_path / "ps" / "plots" / png).stat().st_size > 10_000
