@@ -5,7 +5,8 @@ wall-clock cost.
 
     python -m experiments.paper_study [--seeds 0,1,2] [--fp8-recipes blockwise,rowwise,tensorwise]
                                       [--clip-period 5] [--intervals 1,2,5] [--ablation-recipe blockwise]
-                                      [--out runs/paper_study] [--table-only] [key=value ...]
+                                      [--arms bf16,fp8-blockwise,...] [--out runs/paper_study] [--table-only]
+                                      [key=value ...]
 
 Arms (each a recipe + overrides; one ``fp8-grpo`` run per arm x seed, child MLflow runs of one parent, resumable:
 experiments/grid.py):
@@ -106,6 +107,18 @@ def make_arms(fp8_recipes=FP8_RECIPES, clip_period: int = CLIP_PERIOD, intervals
 def ablation_only(ablation: dict[int, str]) -> set[str]:
     """The arms that exist only for the interval ablation (``...-cc-k<K>``; the main CC arm stands for its own K)."""
     return {v for v in ablation.values() if re.search(r"-cc-k\d+$", v)}
+
+
+def select(arms: tuple[Arm, ...], ablation: dict[int, str], names: list[str] | None):
+    """Only the arms named (all when None; an unknown name fails naming the valid ones), and the ablation's Ks whose
+    arm is among them."""
+    if names is None:
+        return arms, ablation
+    known = [a.name for a in arms]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"--arms: unknown arm(s) {bad} (valid with these settings: {', '.join(known)})")
+    return tuple(a for a in arms if a.name in names), {k: v for k, v in ablation.items() if v in names}
 
 
 def make_grid(arms, seeds, overrides, out_dir, ablation: dict[int, str]) -> Grid:
@@ -265,9 +278,9 @@ def paper_study(seeds: list[int] | None = None, fp8_recipes: list[str] | None = 
                 intervals: list[int] | None = None, ablation_recipe: str = "blockwise",
                 overrides: list[str] | None = None, out_dir: str = "runs/paper_study",
                 experiment_name: str = EXPERIMENT, tracking_uri: str | None = None, n_boot: int = 2000,
-                train: bool = True) -> dict:
-    arms, ablation = make_arms(tuple(FP8_RECIPES if fp8_recipes is None else fp8_recipes), clip_period,
-                               tuple(INTERVALS if intervals is None else intervals), ablation_recipe)
+                train: bool = True, arms: list[str] | None = None) -> dict:
+    arms, ablation = select(*make_arms(tuple(FP8_RECIPES if fp8_recipes is None else fp8_recipes), clip_period,
+                                       tuple(INTERVALS if intervals is None else intervals), ablation_recipe), arms)
     grid = make_grid(arms, list(SEEDS) if seeds is None else seeds, overrides or [], out_dir, ablation)
     check_calibrations(grid)
     return run_grid(grid, experiment=experiment_name, tracking_uri=tracking_uri, train=train,
@@ -285,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intervals", default=",".join(map(str, INTERVALS)),
                     help="the ablation's K values (comma-separated; empty = no ablation)")
     ap.add_argument("--ablation-recipe", default="blockwise")
+    ap.add_argument("--arms", default=None, help="comma-separated subset of the arms these settings make (default: all)")
     ap.add_argument("--out", default="runs/paper_study", help="experiment directory (resumable)")
     ap.add_argument("--tracking-uri", default=None)
     ap.add_argument("--n-boot", type=int, default=2000)
@@ -298,14 +312,15 @@ def main(argv: list[str] | None = None) -> int:
         seeds = parse_ints(a.seeds, "--seeds")
         intervals = parse_ints(a.intervals, "--intervals")
         recipes = [s.strip() for s in a.fp8_recipes.split(",") if s.strip()]
-        arms, ablation = make_arms(tuple(recipes), a.clip_period, tuple(intervals), a.ablation_recipe)
+        names = None if a.arms is None else [s.strip() for s in a.arms.split(",") if s.strip()]
+        arms, ablation = select(*make_arms(tuple(recipes), a.clip_period, tuple(intervals), a.ablation_recipe), names)
         check_calibrations(make_grid(arms, seeds, a.overrides, a.out, ablation))
         apply_cpu_cap()
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     paper_study(seeds, recipes, a.clip_period, intervals, a.ablation_recipe, a.overrides, a.out,
-                tracking_uri=a.tracking_uri, n_boot=a.n_boot, train=not a.table_only)
+                tracking_uri=a.tracking_uri, n_boot=a.n_boot, train=not a.table_only, arms=names)
     return 0
 
 
