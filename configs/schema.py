@@ -125,6 +125,15 @@ class SchedulerCfg:
 
 
 @dataclass(frozen=True)
+class RouterReplayCfg:
+    """Mixture-of-Experts routing replay (R3): the trainer routes every token to the experts the rollout engine
+    chose for it (weights from the trainer's own FP32 router logits at those experts). Off: the trainer's router
+    chooses; either way MoE runs log ``moe/routing_mismatch_frac`` and ``moe/expert_load_*`` (fp8core/moe.py)."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
 class PolicyCfg:
     model_name: str = EMBEDDED
     tokenizer_name: str | None = None  # default: model_name
@@ -141,6 +150,7 @@ class PolicyCfg:
     scheduler: SchedulerCfg = field(default_factory=SchedulerCfg)
     megatron_cfg: MegatronCfg = field(default_factory=MegatronCfg)
     generation: GenerationCfg = field(default_factory=GenerationCfg)
+    router_replay: RouterReplayCfg = field(default_factory=RouterReplayCfg)
     threads: int = 2  # torch threads inside the policy actor
 
 

@@ -4,7 +4,8 @@ For every :class:`fp8core.linear.FP8Linear` the forward weight quantization of i
 (``FP8Linear.quantized_weight()``: E4M3 codes + FP32 dequantization scales) under the Hugging Face names
 ``<module>.weight`` (float8_e4m3fn) and ``<module>.weight_scale_inv`` (FP32; shape per recipe: block128
 ``[ceil(N/128), ceil(K/128)]``, rowwise ``[N, 1]``, tensorwise ``[]``) -- vLLM's name for a dequantization scale.
-Every other tensor (embeddings, norms, lm_head, biases, routers, BF16-kept layers) in ``hp_dtype``. Fused MoE experts
+Every other tensor (embeddings, norms, lm_head, biases, BF16-kept layers) in ``hp_dtype``; MoE routers
+(:class:`fp8core.moe.FP32Router`) in FP32, the precision both sides compute their logits in. Fused MoE experts
 are served under their checkpoint names, one expert and projection at a time (``<...>.experts.<e>.gate_proj.weight``
 + ``weight_scale_inv``, :func:`fp8core.moe.checkpoint_state_dict`), FP8 for :class:`fp8core.moe.FP8Experts`.
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from fp8core.linear import FP8Linear
-from fp8core.moe import PARTS, FP8Experts, checkpoint_state_dict
+from fp8core.moe import PARTS, FP8Experts, FP32Router, checkpoint_state_dict
 
 __all__ = ["SCALE_SUFFIX", "served_state_dict"]
 
@@ -33,11 +34,12 @@ def served_state_dict(model: nn.Module, *, hp_dtype: torch.dtype = torch.bfloat1
         if isinstance(m, FP8Experts) and m.config is not None:
             fp8.update({f"{name}.{e}.{part}_proj.weight": m.quantized_weight(e, part)
                         for e in range(m.num_experts) for part in PARTS})
+    fp32 = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, FP32Router)}
     out: dict[str, torch.Tensor] = {}
     for name, t in checkpoint_state_dict(model.state_dict()).items():
         q = fp8.get(name)
         if q is None:
-            out[name] = t.detach().to("cpu", hp_dtype).clone()
+            out[name] = t.detach().to("cpu", torch.float32 if name in fp32 else hp_dtype).clone()
         else:
             out[name] = q.data.detach().cpu().clone()
             out[name + SCALE_SUFFIX] = q.scale.detach().cpu().clone()

@@ -66,7 +66,8 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     ranges = split_groups(len(prompts), len(ctx.rollouts))
     engines = [actor(name) for name in ctx.rollouts[:len(ranges)]]
     parts = [e.generate.remote(prompts[a:b], n=g.n, max_tokens=g.max_tokens, temperature=g.temperature,
-                               top_p=g.top_p, seed=seed + a * g.n, weights_version=weights_version)
+                               top_p=g.top_p, seed=seed + a * g.n, weights_version=weights_version,
+                               routing=True)  # MoE engines attach each token's experts (replay, moe/* metrics)
              for e, (a, b) in zip(engines, ranges, strict=True)]
     ref = parts[0] if len(parts) == 1 else engines[0].gather.remote(*parts)
     ray.wait([ref], fetch_local=False)
@@ -74,7 +75,9 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     wall = time.perf_counter() - t0
     tokens = sum(s["last_generated_tokens"] for s in stats)
     gen_s = [s["last_generate_s"] or 0.0 for s in stats]
-    return ref, {"time/rollout_s": wall, "throughput/rollout_tokens_per_s": tokens / wall,
+    routing_s = [s.get("last_routing_s") for s in stats]
+    extra = {"time/rollout_routing_s": max(routing_s)} if all(x is not None for x in routing_s) else {}
+    return ref, {**extra, "time/rollout_s": wall, "throughput/rollout_tokens_per_s": tokens / wall,
                  "rollout/generated_tokens": float(tokens), "rollout/engines": float(len(engines)),
                  "time/rollout_engine_max_s": max(gen_s), "time/rollout_engine_min_s": min(gen_s)}
 

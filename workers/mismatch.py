@@ -84,21 +84,23 @@ def trainer_logprobs(model, prompt_ids: list[list[int]], response_ids: list[list
     return out
 
 
-def quick_sft_model(root: str | Path, *, steps: int = 12, batch_size: int = 8, lr: float = 3e-3) -> Path:
+def quick_sft_model(root: str | Path, *, steps: int = 12, batch_size: int = 8, lr: float = 3e-3,
+                    moe: bool = False) -> Path:
     """Tiny model + a very short SFT (workers.bootstrap.sft_bootstrap) under ``root``, cached by its recipe: a few
-    dozen AdamW steps already turn the near-uniform random-init distribution into a peaked one (tests, quick runs)."""
+    dozen AdamW steps already turn the near-uniform random-init distribution into a peaked one (tests, quick runs).
+    ``moe``: the tiny Qwen3-MoE (workers.tiny_model.TINY_MOE) instead of the dense model."""
     from workers.bootstrap import SFTConfig, sft_bootstrap
     from workers.math_task import generate_splits
-    from workers.tiny_model import build_tiny_model
+    from workers.tiny_model import TINY_MOE, build_tiny_model
 
     root = Path(root)
     cfg = SFTConfig(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=min(5, steps))
-    out = root / f"tiny-sft-{steps}x{batch_size}"
+    out = root / f"tiny{'-moe' if moe else ''}-sft-{steps}x{batch_size}"
     marker = out / ".complete"
     if marker.exists() and json.loads(marker.read_text()) == {k: getattr(cfg, k) for k in json.loads(
             marker.read_text())}:
         return out
-    base = build_tiny_model(root / "tiny")
+    base = build_tiny_model(root / "tiny-moe", TINY_MOE) if moe else build_tiny_model(root / "tiny")
     splits = generate_splits(root / "sft-data", n_train=500, n_validation=10)
     return sft_bootstrap(base, splits["train"], out, cfg, log=lambda *_: None)
 

@@ -107,11 +107,14 @@ def leave_one_out_advantages(rewards: torch.Tensor, *, group_size: int) -> torch
 
 class Batch:
     """Token tensors of one rollout batch (right-padded): ``tokens [B, L]``, ``attn [B, L]``, ``mask [B, L]`` (1 on
-    response tokens), ``rollout_logp [B, L]`` (vLLM's logprob of each response token, 0 elsewhere)."""
+    response tokens), ``rollout_logp [B, L]`` (vLLM's logprob of each response token, 0 elsewhere); for MoE
+    rollouts with routing, ``routing [B, L, num_moe_layers, top_k]`` (the engine's experts per token; padding
+    positions hold experts 0..k-1), else None."""
 
-    def __init__(self, tokens, attn, mask, rollout_logp, group_size: int):
+    def __init__(self, tokens, attn, mask, rollout_logp, group_size: int, routing=None):
         self.tokens, self.attn, self.mask, self.rollout_logp = tokens, attn, mask, rollout_logp
         self.group_size = group_size
+        self.routing = routing
 
     @classmethod
     def from_rollouts(cls, rollouts: Sequence[Mapping], *, pad_id: int) -> Batch:
@@ -137,13 +140,23 @@ class Batch:
             attn[i, : len(s)] = 1
             mask[i, st: len(s)] = 1.0
             rl[i, st: len(s)] = torch.tensor(lp, dtype=torch.float32)
-        return cls(tokens, attn, mask, rl, group)
+        routing = None
+        routed = [smp.get("routed_experts") for r in rollouts for smp in r["samples"]]
+        if routed and all(x is not None for x in routed):
+            n_layers, k = routed[0].shape[1:]
+            routing = torch.arange(k, dtype=torch.long).expand(b, width, n_layers, k).clone()
+            for i, (x, sq) in enumerate(zip(routed, seqs, strict=True)):
+                if x.shape[0] != len(sq):
+                    raise ValueError(f"routed_experts of sample {i}: {x.shape[0]} tokens, the sequence has {len(sq)}")
+                routing[i, : len(sq)] = x.long()
+        return cls(tokens, attn, mask, rl, group, routing)
 
     def __len__(self):
         return self.tokens.shape[0]
 
     def slice(self, idx) -> Batch:
-        return Batch(self.tokens[idx], self.attn[idx], self.mask[idx], self.rollout_logp[idx], self.group_size)
+        return Batch(self.tokens[idx], self.attn[idx], self.mask[idx], self.rollout_logp[idx], self.group_size,
+                     None if self.routing is None else self.routing[idx])
 
     @property
     def width(self) -> int:
@@ -156,7 +169,7 @@ class Batch:
         if w >= self.width:
             return self
         return Batch(self.tokens[:, :w], self.attn[:, :w], self.mask[:, :w], self.rollout_logp[:, :w],
-                     self.group_size)
+                     self.group_size, None if self.routing is None else self.routing[:, :w])
 
 
 def _pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -195,6 +208,8 @@ class PolicyWorker:
         from fp8core.moe import convert_routers
 
         self.moe_layers = convert_routers(self.model)  # MoE: routers in FP32 (fp8core/moe.py); [] for dense models
+        self.router_replay = bool(p.router_replay.enabled and self.moe_layers)
+        self._moe_measure, self._moe_acc = False, None
         self.fp8_layers: list[str] = []
         f8 = p.megatron_cfg.fp8_cfg
         if f8.enabled:
@@ -274,8 +289,18 @@ class PolicyWorker:
     def _token_logp(self, b: Batch, *, want_entropy: bool = False):
         """Forward one micro-batch; returns (logp [B, L] aligned to tokens, entropy [B, L] or None)."""
         tokens, attn = b.tokens.to(self.device), b.attn.to(self.device)
-        with _autocast(self.cfg.policy.precision, self.device, self.bf16_emulation):
+        replay = None
+        if self.router_replay and b.routing is not None:  # R3: the engine's experts for every token
+            k = b.routing.shape[-1]
+            replay = {layer: b.routing[:, :, j].reshape(-1, k).to(self.device)
+                      for j, layer in enumerate(self.moe_layers)}
+        from fp8core.moe import forced_routing
+
+        with forced_routing(self.model, replay), _autocast(self.cfg.policy.precision, self.device,
+                                                           self.bf16_emulation):
             logits = self.model(input_ids=tokens, attention_mask=attn).logits
+        if self._moe_measure:
+            self._record_routing(b)
         z = logits[:, :-1].float() / self.cfg.policy.generation.temperature
         lp = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
         logp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
@@ -286,6 +311,34 @@ class PolicyWorker:
             e = token_entropy(z.detach())
             ent = torch.cat([torch.zeros_like(e[:, :1]), e], dim=1)
         return logp, ent
+
+    @torch.no_grad()
+    def _record_routing(self, b: Batch) -> None:
+        """Accumulate this forward's routing for the step's ``moe/*`` metrics (real tokens only): tokens whose own
+        top-k set differs from the engine's, and the per-layer expert loads of the experts used."""
+        from fp8core.moe import routers
+
+        real = b.attn.reshape(-1).bool()
+        acc = self._moe_acc
+        for j, (_, r) in enumerate(routers(self.model)):
+            used = r.last_ids.cpu()[real]
+            acc["counts"][j] += torch.bincount(used.reshape(-1), minlength=r.num_experts).double()
+            if b.routing is not None:
+                own = r.last_own_ids.cpu()[real].sort(-1).values
+                eng = b.routing[:, :, j].reshape(-1, b.routing.shape[-1])[real].sort(-1).values
+                acc["mismatch"] += int((own != eng).any(-1).sum())
+                acc["tokens"] += int(real.sum())
+
+    def _moe_metrics(self) -> dict[str, float]:
+        acc, m = self._moe_acc, {"moe/router_replay": float(self.router_replay)}
+        if acc["tokens"]:
+            m["moe/routing_mismatch_frac"] = acc["mismatch"] / acc["tokens"]
+        c = acc["counts"]
+        share = c / c.mean(1, keepdim=True).clamp_min(1e-12)  # per layer: expert load / the uniform load
+        m["moe/expert_load_max"] = float(share.max(1).values.mean())
+        m["moe/expert_load_min"] = float(share.min(1).values.mean())
+        m["moe/expert_load_cv"] = float((c.std(1, unbiased=False) / c.mean(1).clamp_min(1e-12)).mean())
+        return m
 
     @torch.no_grad()
     def logprobs(self, b: Batch, *, want_entropy: bool = False, rows: torch.Tensor | None = None):
@@ -340,6 +393,13 @@ class PolicyWorker:
         if r.numel() != len(b):
             raise ValueError(f"train_step: {r.numel()} rewards for {len(b)} samples")
         m: dict[str, float] = {}
+        if self.moe_layers:  # moe/* metrics from the forwards on the weights the engine ran (before the first update)
+            from fp8core.moe import routers
+
+            n_exp = routers(self.model)[0][1].num_experts
+            self._moe_measure = True
+            self._moe_acc = {"mismatch": 0, "tokens": 0,
+                             "counts": torch.zeros(len(self.moe_layers), n_exp, dtype=torch.float64)}
         gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
         perm = torch.randperm(len(b), generator=torch.Generator().manual_seed(cfg.grpo.seed * 100003 + step))
         keep = torch.ones(len(b), dtype=torch.bool)
@@ -436,8 +496,12 @@ class PolicyWorker:
                 self.skipped_updates += 1
             self.optimizer.zero_grad(set_to_none=True)
             t_opt += time.perf_counter() - t_opt0
+            self._moe_measure = False
         lr_used = float(self.optimizer.param_groups[0]["lr"])  # the LR this step's updates used (before the advance)
         self.scheduler.step()
+        self._moe_measure = False
+        if self.moe_layers:
+            m.update(self._moe_metrics())
         m.update(mismatch_metrics(old_logp, b.rollout_logp, b.mask))
         m["policy/entropy"] = float((ent * b.mask).sum() / b.mask.sum().clamp_min(1))  # exact, sampled tokens
         m.update(response_length_metrics(b.mask))

@@ -72,10 +72,12 @@ KV_MODES = ("bf16", "fp8-native", "fp8-emulated")
 CPU_FP8_KV_HEAD_MULTIPLE = 32  # vLLM 0.32 CPU FP8 KV cache: head_size % 32 == 0 (cpu_attn._get_attn_isa)
 E4M3_MAX = 448.0
 KV_IMPL_KEY = "policy.generation.vllm_cfg.kv_cache_impl"
-# Dense decoder-only architectures whose linears / attention layout the FP8 method and the KV-scale setter handle.
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")
+# Decoder-only architectures whose linears / attention layout the FP8 method and the KV-scale setter handle (dense,
+# and Qwen3-MoE: experts through workers/vllm_fp8.py Fp8CoreMoEMethod / workers/vllm_bf16.py Bf16EmulatedMoEMethod).
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")
 CPU_KV_BLOCK_SIZE = 128  # vLLM CPU allocates the KV cache in blocks of 128 tokens
-_PROJ_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.\w+_proj\.weight$")
+# decoder-layer projections (dense) and MoE experts' projections (``mlp.experts.<e>.<proj>``); not the MoE router
+_PROJ_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)(?:\.experts\.\d+)?\.\w+_proj\.weight$")
 
 
 @dataclass(frozen=True)
@@ -288,6 +290,10 @@ class RolloutWorker:
 
         self.bf16_mode = resolve_bf16_mode(config.bf16_mode, device=torch.device("cuda" if on_gpu else "cpu"),
                                            native_bf16=self.cpu.native_bf16) if config.precision == "bf16" else "off"
+        self.is_moe = int(self.model_cfg.get("num_experts") or self.model_cfg.get("num_local_experts") or 0) > 0
+        if self.is_moe and self.bf16_mode == "native":
+            # vLLM 0.32's own CPU MoE does not survive reload_weights (workers/vllm_bf16.py): our experts method
+            self.bf16_mode = "emulated"
         self.kv_mode, self.kv_mode_reason = resolve_kv_mode(self.model_cfg, config.kv_cache_dtype,
                                                             config.kv_cache_impl, caps=self.cpu, on_gpu=on_gpu)
         if config.kv_cache_dtype == "fp8":
@@ -409,10 +415,11 @@ class RolloutWorker:
 
     def generate(self, prompts: list[str] | list[list[int]], *, n: int = 1, max_tokens: int = 64,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-                 weights_version: int | None = None) -> list[dict]:
+                 weights_version: int | None = None, routing: bool = False) -> list[dict]:
         """Sample ``n`` completions per prompt; returns one dict per prompt (format in the module docstring).
         ``weights_version``: the policy step whose weights this rollout must run on; an engine that holds other
-        weights (it missed a refit) refuses before generating anything."""
+        weights (it missed a refit) refuses before generating anything. ``routing`` (MoE models only; ignored
+        otherwise): each sample also gets ``routed_experts`` (:meth:`routed_experts`)."""
         from vllm import SamplingParams, TokensPrompt
 
         if weights_version is not None and weights_version != self._weights_version:
@@ -447,8 +454,39 @@ class RolloutWorker:
                 n_gen += len(toks)
             results.append({"prompt_index": i, "prompt_token_ids": list(out.prompt_token_ids), "samples": samples})
         self._last_stats = {"tokens_per_s": n_gen / wall if wall > 0 else None, "generated_tokens": n_gen,
-                            "wall_s": wall}
+                            "wall_s": wall, "routing_s": None}
+        if routing and self.is_moe:
+            t1 = time.perf_counter()
+            for r in results:
+                for smp in r["samples"]:
+                    smp["routed_experts"] = self.routed_experts(r["prompt_token_ids"] + smp["token_ids"])
+            self._last_stats["routing_s"] = time.perf_counter() - t1
         return results
+
+    def routed_experts(self, token_ids: list[int]) -> torch.Tensor:
+        """The experts this engine routes each token of ``token_ids`` to: int16 ``[T, num_moe_layers, top_k]``.
+
+        How: one prefill of the sequence with our MoE methods recording ``topk_ids`` (vLLM 0.32's
+        ``enable_return_routed_experts`` needs its V2 model runner, which needs Triton: not on CPU). The prefix
+        cache is reset first, so every position is computed. This is the engine's routing of the sampled sequence
+        under teacher forcing -- the same weights and numerics as generation; a decode step's attention can differ
+        from the prefill's in the last bits, so a token whose top-k is a near tie may route differently here than
+        when it was sampled."""
+        self.llm.apply_model(lambda m: _set_moe_recording(m, True))
+        try:
+            from vllm import SamplingParams, TokensPrompt
+
+            self.llm.reset_prefix_cache()
+            self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))],
+                              SamplingParams(max_tokens=1, temperature=1.0), use_tqdm=False)
+            ids = self.llm.apply_model(_moe_recorded_ids)[0]
+        finally:
+            self.llm.apply_model(lambda m: _set_moe_recording(m, False))
+            self.llm.reset_prefix_cache()
+        if not ids or any(t.shape[0] != len(token_ids) for t in ids):
+            raise RuntimeError(f"routing capture: expected {len(token_ids)} tokens per MoE layer, got "
+                               f"{[tuple(t.shape) for t in ids]}")
+        return torch.stack(ids, dim=1)
 
     # ------------------------------------------------------------------ refit
     def _check_weights(self, weights) -> tuple[list[tuple[str, torch.Tensor]], bool]:
@@ -619,6 +657,7 @@ class RolloutWorker:
             "last_tokens_per_s": self._last_stats["tokens_per_s"],
             "last_generated_tokens": self._last_stats["generated_tokens"],
             "last_generate_s": self._last_stats["wall_s"],
+            "last_routing_s": self._last_stats.get("routing_s"),  # MoE routing capture after the last generate
             "last_refit_s": self._last_refit_s,
             "weights_version": self._weights_version,
             "engine_start_s": self.start_s,
@@ -648,6 +687,25 @@ def _layer_index(name: str) -> int:
         if a == "layers" and b.isdigit():
             return int(b)
     raise ValueError(f"cannot find a layer index in attention layer name {name!r}")
+
+
+def _moe_methods(model) -> list:
+    """Our MoE methods (FP8 or BF16-emulated experts), in decoder-layer order."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    found = [(name, m.quant_method) for name, m in model.named_modules()
+             if isinstance(m, RoutedExperts) and hasattr(m.quant_method, "record_routing")]
+    return [qm for _, qm in sorted(found, key=lambda t: _layer_index(t[0]))]
+
+
+def _set_moe_recording(model, on: bool) -> int:
+    for qm in _moe_methods(model):
+        qm.record_routing, qm.last_topk_ids = on, None
+    return 0
+
+
+def _moe_recorded_ids(model) -> list[torch.Tensor]:
+    return [qm.last_topk_ids for qm in _moe_methods(model) if qm.last_topk_ids is not None]
 
 
 def _attention_layer_names(model) -> list[str]:

@@ -50,6 +50,17 @@ Which layers: decoder layers ``fp8core.convert.fp8_layer_indices(L, first, last)
 in BF16 (vLLM's unquantized method). Attention (and the KV cache) is not touched here: FP8 KV is vLLM's
 ``kv_cache_dtype="fp8"`` with scales set by workers/rollout.py.
 
+Mixture-of-Experts (Qwen3-MoE; fp8core/moe.py has the numerics): the routed experts (vLLM's ``RoutedExperts``) of
+the FP8 decoder layers get :class:`Fp8CoreMoEMethod`, a pure-torch ``FusedMoEMethodBase``: FP32 staging
+``w13_weight [E, 2I, H]`` / ``w2_weight [E, H, I]`` (checkpoint names ``experts.<e>.{gate,up,down}_proj.weight``,
+plus ``weight_scale_inv`` for a pre-quantized refit), each expert's gate, up and down quantized on its own with the
+recipe's weight granularity (as the trainer's :class:`fp8core.moe.FP8Experts`), and ``apply(x, topk_weights,
+topk_ids)`` = :func:`fp8core.moe.experts_forward` on ``fp8_linear_forward_emulated`` -- the trainer's loop and GEMMs.
+The router (``mlp.gate``, a vLLM linear) is never quantized: :class:`Fp32GateLinearMethod` keeps its weight in FP32
+and returns FP32 logits, which vLLM's CPU router turns into top-k exactly as :func:`fp8core.moe.route` does. The
+experts of BF16-kept layers use vLLM's own unquantized MoE. Optionally (``record_routing``) the method keeps the
+last forward's ``topk_ids`` per layer (routing replay, workers/rollout.py).
+
 Configuration travels inside the HF config (``hf_overrides={"quantization_config": quantization_config_dict(...)}``)
 with ``quantization="fp8core"``; importing this module registers the method (in-process engines only: with
 vLLM multiprocessing the engine process would have to import it too, e.g. through a vLLM general plugin).
@@ -61,16 +72,26 @@ from typing import Any
 
 import torch
 from torch.nn import Parameter
+from vllm.model_executor.layers.fused_moe import FusedMoEConfig, FusedMoEMethodBase, FusedMoEQuantConfig, RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from fp8core.convert import fp8_layer_indices
 from fp8core.linear import RECIPES, fp8_linear_forward, fp8_linear_forward_emulated, resolve_backend, weight_granularity
+from fp8core.moe import experts_forward
 from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
-from workers.vllm_bf16 import stage_fp32_weight
+from workers.vllm_bf16 import (
+    Bf16EmulatedMoEMethod,
+    Fp32GateLinearMethod,
+    expert_loader,
+    is_moe_gate,
+    stage_expert_weights,
+    stage_fp32_weight,
+)
 
 QUANT_NAME = "fp8core"
+_SCALE = "_weight_scale_inv"
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _KEYS = ("num_hidden_layers", "fp8_recipe", "num_first_layers_in_bf16", "num_last_layers_in_bf16",
          "pow2_weight_scaling_factors", "pow2_activation_scaling_factors")
@@ -146,8 +167,15 @@ class Fp8CoreConfig(QuantizationConfig):
         return int(m.group(1)) if m else None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, RoutedExperts):
+            idx = self.layer_index(prefix)
+            if idx is None or idx not in self.fp8_layers:
+                return Bf16EmulatedMoEMethod(layer.moe_config)  # BF16-kept layer (vLLM's own MoE fails refits)
+            return Fp8CoreMoEMethod(self, layer.moe_config)
         if not isinstance(layer, LinearBase):
             return None  # embeddings, lm_head, attention: unquantized (KV cache dtype is set separately)
+        if is_moe_gate(prefix):
+            return Fp32GateLinearMethod()  # the router: high precision, FP32 logits
         idx = self.layer_index(prefix)
         if idx is None or idx not in self.fp8_layers:
             return UnquantizedLinearMethod()
@@ -277,3 +305,92 @@ class Fp8CoreLinearMethod(LinearMethodBase):
                                          pow2_activation=self.config.pow2_activation))
             row += n
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------- MoE experts
+class Fp8CoreMoEMethod(FusedMoEMethodBase):
+    """Experts of one MoE layer in fp8core FP8 (module docstring): per expert and projection quantized at
+    load / refit (or FP8 codes + scales taken as they are), the trainer's expert loop at run time."""
+
+    def __init__(self, config: Fp8CoreConfig, moe: FusedMoEConfig):
+        super().__init__(moe)
+        self.config = config
+        self.record_routing = False
+        self.last_topk_ids: torch.Tensor | None = None
+        from fp8core import kernels
+
+        kernels.load()
+
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        inter, gran = intermediate_size_per_partition, self.config.weight_granularity
+        stage_expert_weights(layer, num_experts, hidden_size, inter)
+        # pre-quantized refits / exports also bring <expert>.<proj>.weight_scale_inv per expert and projection
+        for kind, widths, k in (("w13", [inter, inter], hidden_size), ("w2", [hidden_size], inter)):
+            sc = Parameter(torch.ones(num_experts, *_scale_shape(gran, widths, k), dtype=torch.float32),
+                           requires_grad=False)
+            sc.weight_loader = expert_loader(layer, kind, scale_rows=lambda i, w=widths: _scale_rows(gran, w, i))
+            layer.register_parameter(f"{kind}{_SCALE}", sc)
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig | None:
+        return FusedMoEQuantConfig.make()
+
+    def expert_weights(self, layer: torch.nn.Module, e: int) -> dict[str, QuantizedTensor]:
+        """Expert ``e``'s FP8 gate / up / down as the engine holds them."""
+        inter, gran = layer.fp8core_inter, self.config.weight_granularity
+        sc13, sc2 = layer.fp8core_w13_scale[e], layer.fp8core_w2_scale[e]
+        return {"gate": QuantizedTensor(layer.fp8core_w13[e, :inter], sc13[_scale_rows(gran, [inter, inter], 0)],
+                                        gran, "e4m3"),
+                "up": QuantizedTensor(layer.fp8core_w13[e, inter:], sc13[_scale_rows(gran, [inter, inter], 1)],
+                                      gran, "e4m3"),
+                "down": QuantizedTensor(layer.fp8core_w2[e], sc2[_scale_rows(gran, [layer.fp8core_w2.shape[1]], 0)],
+                                        gran, "e4m3")}
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        weights, scales = layer.fp8core_weights_loaded, layer.fp8core_scales_loaded
+        layer.fp8core_weights_loaded, layer.fp8core_scales_loaded = set(), set()
+        if not weights and hasattr(layer, "fp8core_w13"):
+            return  # nothing new was loaded
+        inter, gran, pow2 = layer.fp8core_inter, self.config.weight_granularity, self.config.pow2_weight
+        out = {}
+        for kind, widths in (("w13", [inter, inter]), ("w2", [layer.w2_weight.shape[1]])):
+            w, sc = getattr(layer, f"{kind}_weight").data, getattr(layer, f"{kind}{_SCALE}").data
+            if scales:  # pre-quantized (FP8 refit / export): codes + scales kept bit for bit
+                if scales != weights:
+                    raise ValueError(f"pre-quantized experts: scales for {len(scales)} of {len(weights)} expert "
+                                     "weights were loaded; an FP8 refit needs all of them")
+                data = w.to(torch.float8_e4m3fn)
+                if not torch.equal(data.to(torch.float32), w):
+                    raise ValueError("pre-quantized experts: weight_scale_inv was given but the expert weights are "
+                                     "not FP8 (e4m3) codes")
+                out[kind] = (data, sc.clone())
+                continue
+            datas, all_scales = [], []
+            for e in range(w.shape[0]):
+                parts, row, ss = [], 0, []
+                for width in widths:
+                    q = quantize(w[e, row:row + width], gran, fmt="e4m3", pow2=pow2)
+                    parts.append(q.data)
+                    ss.append(q.scale.reshape(1) if q.scale.dim() == 0 else q.scale)
+                    row += width
+                datas.append(torch.cat(parts, 0))
+                all_scales.append(torch.cat(ss, 0))
+            out[kind] = (torch.stack(datas), torch.stack(all_scales).to(torch.float32))
+        layer.fp8core_w13, layer.fp8core_w13_scale = out["w13"]
+        layer.fp8core_w2, layer.fp8core_w2_scale = out["w2"]
+        # the emulation's FP32 weights, dequantized once per load / refit (same values as per forward)
+        layer.fp8core_dq = [{p: dequantize(q) for p, q in self.expert_weights(layer, e).items()}
+                            for e in range(w.shape[0])]
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        if self.record_routing:
+            self.last_topk_ids = topk_ids.detach().to(torch.int16).cpu().clone()
+        recipe, pow2_act = self.config.recipe, self.config.pow2_activation
+
+        def linear(v: torch.Tensor, e: int, part: str) -> torch.Tensor:
+            return fp8_linear_forward_emulated(v, layer.fp8core_dq[e][part], None, recipe=recipe,
+                                               pow2_activation=pow2_act)
+
+        return experts_forward(x, topk_ids, topk_weights, num_experts=len(layer.fp8core_dq), linear=linear,
+                               act=torch.nn.functional.silu)

@@ -138,6 +138,7 @@ READERS = {
     "bootstrap.assets_dir": ("flows/grpo.py", "cfg.bootstrap.assets_dir"),
     "bootstrap.sft_steps": ("flows/grpo.py", "cfg.bootstrap.sft_steps"),
     "bootstrap.model": ("flows/grpo.py", "cfg.bootstrap.model"),
+    "policy.router_replay.enabled": ("workers/policy.py", "p.router_replay.enabled"),
 }
 
 # keys accepted at one value only: (override that must fail, with this dotted path)

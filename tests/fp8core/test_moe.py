@@ -161,5 +161,5 @@ def test_checkpoint_and_served_names_are_per_expert():
     name = "model.layers.1.mlp.experts.2.gate_proj.weight"
     assert served[name].dtype == torch.float8_e4m3fn and served[name + SCALE_SUFFIX].shape == (1, 2)
     assert served["model.layers.0.mlp.experts.2.gate_proj.weight"].dtype == torch.bfloat16  # BF16-kept layer
-    assert served["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # router: high precision
+    assert served["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # router: FP32 on both sides
     assert set(served) - {n for n in served if n.endswith(SCALE_SUFFIX)} == set(sd)
