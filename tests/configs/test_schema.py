@@ -39,7 +39,7 @@ def test_recipe_semantics():
         assert (c.grpo, c.policy.optimizer) == (bf16.grpo, bf16.policy.optimizer)
 
 
-@pytest.mark.parametrize("name", ["llama3.1-8b-instruct-fp8-e2e", "qwen3-8b-base-fp8-e2e"])
+@pytest.mark.parametrize("name", ["llama3.1-8b-instruct-fp8-e2e", "qwen3-8b-base-fp8-e2e", "qwen3-30b-a3b-fp8-e2e"])
 def test_gpu_recipes_validate(name):
     cfg = load_config(CONFIGS / "gpu" / f"{name}.yaml")
     vc = cfg.policy.generation.vllm_cfg
@@ -47,8 +47,11 @@ def test_gpu_recipes_validate(name):
     assert cfg.policy.megatron_cfg.fp8_cfg.fp8_recipe == "blockwise"
     assert cfg.cluster.gpus_per_node == 8 and cfg.checkpointing.checkpoint_dir.startswith("s3://")
     assert (cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt) % cfg.policy.train_global_batch_size == 0
-    if name.startswith("qwen3"):
+    if name.startswith("qwen3-8b"):
         assert vc.kv_cache_dtype == "fp8" and cfg.policy.model_name == "Qwen/Qwen3-8B-Base"
+    if name.startswith("qwen3-30b-a3b"):  # MoE: experts FP8 on both sides, routing replay on
+        assert cfg.policy.model_name == "Qwen/Qwen3-30B-A3B-Base" and cfg.policy.router_replay.enabled
+        assert vc.kv_cache_dtype == "fp8" and cfg.trainer_fp8_spec().forward_key() == cfg.rollout_fp8_spec().forward_key()
 
 
 def test_seed_key_names_as_overrides():
