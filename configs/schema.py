@@ -321,7 +321,8 @@ class ClusterCfg:
     num_nodes: int = 1
     gpus_per_node: int = 0
     rollout_workers: int = 1
-    policy_workers: int = 1  # data-parallel trainers are not implemented yet: only 1
+    policy_workers: int = 1  # data-parallel trainers: FSDP2-sharded ranks of one process group (workers/dp.py)
+    collective_timeout_s: float = 60.0  # a dead trainer rank fails the step within this (gloo's default: 30 min)
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
 
 
@@ -490,9 +491,10 @@ def _validate(c: Config):
            f"{c.cluster.num_nodes} nodes need an existing Ray cluster: set ray.address")
     _check(c.cluster.rollout_workers >= 1, "cluster.rollout_workers",
            f"must be >= 1 (the number of vLLM engines), got {c.cluster.rollout_workers}")
-    _check(c.cluster.policy_workers == 1, "cluster.policy_workers",
-           f"{c.cluster.policy_workers}: data-parallel trainers (sharded FP8 policy workers) are not implemented yet; "
-           "set it to 1 (scale rollouts with cluster.rollout_workers)")
+    _check(c.cluster.policy_workers >= 1, "cluster.policy_workers",
+           f"must be >= 1 (the number of data-parallel trainers), got {c.cluster.policy_workers}")
+    _check(0 < c.cluster.collective_timeout_s <= 3600, "cluster.collective_timeout_s",
+           f"{c.cluster.collective_timeout_s}: must be in (0, 3600] seconds")
     for name, w in (("policy_worker", c.ray.policy_worker), ("rollout_worker", c.ray.rollout_worker)):
         _check(w.num_cpus >= 0 and w.num_gpus >= 0, f"ray.{name}.num_cpus", "resources must be >= 0")
         _check(w.num_cpus > 0 or w.num_gpus > 0, f"ray.{name}.num_cpus",

@@ -163,7 +163,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         info = ray.get(workers.policy.info.remote())
         r_stats, p_cpu = ray.get([workers.rollout.stats.remote(), workers.policy.cpu.remote()])
         _say(f"workers up in {time.perf_counter() - t0:.1f}s: policy {info['num_params'] / 1e6:.2f}M params "
-             f"({info['fp8_layers']} FP8 linears, CPU kind {p_cpu['kind']}), rollout {len(workers.rollouts)} x vLLM "
+             f"({info['fp8_layers']} FP8 linears, CPU kind {p_cpu['kind']}) x {len(workers.policies)} trainer(s), rollout {len(workers.rollouts)} x vLLM "
              f"{cfg.policy.generation.vllm_cfg.precision} kv={r_stats['kv_mode']} (CPU kind {r_stats['cpu']['kind']}); "
              f"on {worker_nodes(workers)} Ray node(s)")
         # Tags, not params: a resumed run may land on another CPU (params are immutable in MLflow).
@@ -173,7 +173,8 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
                                "rollout/kv_mode": r_stats["kv_mode"], "policy/bf16_mode": info["bf16_mode"],
                                "rollout/bf16_mode": r_stats["bf16_mode"], "cluster/nodes": worker_nodes(workers)})
         ctx = RunContext.from_config(cfg, policy=workers.policy_name, rollouts=workers.rollout_names, run_id=run_id,
-                                     tracking_uri=uri, model_dir=str(model_dir), checkpoint_uri=ck_uri)
+                                     tracking_uri=uri, model_dir=str(model_dir), checkpoint_uri=ck_uri,
+                                     policy_ranks=workers.policy_names)
         kv_scales = None  # FP8 KV cache: calibrated on the policy, handed to every refit (they carry their step)
         if resume_state is not None:
             kv_scales = load_checkpoint(ctx, start_step).get("kv_scales")

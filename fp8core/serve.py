@@ -27,8 +27,11 @@ SCALE_SUFFIX = "_scale_inv"  # <module>.weight -> <module>.weight_scale_inv
 
 
 @torch.no_grad()
-def served_state_dict(model: nn.Module, *, hp_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """HF-named CPU tensors: FP8 codes + scales for the FP8 linears' weights, ``hp_dtype`` copies for the rest."""
+def served_state_dict(model: nn.Module, *, hp_dtype: torch.dtype = torch.bfloat16,
+                      state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """HF-named CPU tensors: FP8 codes + scales for the FP8 linears' weights, ``hp_dtype`` copies for the rest.
+    ``state``: the model's full state dict where ``model.state_dict()`` would not give it (a sharded model, whose
+    FP8 linears hold their gathered weights for the call: workers/dp.py)."""
     fp8 = {f"{name}.weight": m.quantized_weight() for name, m in model.named_modules() if isinstance(m, FP8Linear)}
     for name, m in model.named_modules():
         if isinstance(m, FP8Experts) and m.config is not None:
@@ -36,7 +39,7 @@ def served_state_dict(model: nn.Module, *, hp_dtype: torch.dtype = torch.bfloat1
                         for e in range(m.num_experts) for part in PARTS})
     fp32 = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, FP32Router)}
     out: dict[str, torch.Tensor] = {}
-    for name, t in checkpoint_state_dict(model.state_dict()).items():
+    for name, t in checkpoint_state_dict(model.state_dict() if state is None else state).items():
         q = fp8.get(name)
         if q is None:
             out[name] = t.detach().to("cpu", torch.float32 if name in fp32 else hp_dtype).clone()

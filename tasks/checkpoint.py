@@ -5,23 +5,22 @@ from __future__ import annotations
 
 import time
 
-import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RunContext
 from tasks.tracking import log_metrics, log_text
-from workers.cluster import actor
+from workers.cluster import policy_call
 
 
 @task(name="save-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def save_checkpoint(ctx: RunContext, step: int) -> str:
     t0 = time.perf_counter()
     ck = ctx.checkpoint
-    uri = ray.get(actor(ctx.policy).save_checkpoint.remote(
+    uri = policy_call(ctx.trainers, "save_checkpoint",  # data-parallel: gathered to rank 0, which writes
         ck.uri, step, extra={"mlflow_run_id": ctx.run_id, "tracking_uri": ctx.tracking_uri, "recipe": ctx.recipe,
                              "rollout_fp8_spec": ctx.rollout_fp8_spec},  # what tools.fp8_export serves
-        keep_last_k=ck.keep_last_k, endpoint_url=ck.endpoint_url))
+        keep_last_k=ck.keep_last_k, endpoint_url=ck.endpoint_url)
     log_metrics(ctx.tracking_uri, ctx.run_id, {"time/checkpoint_s": time.perf_counter() - t0}, step)
     log_text(ctx.tracking_uri, ctx.run_id, uri + "\n", f"checkpoints/step_{step:06d}.txt")
     return uri
@@ -31,5 +30,5 @@ def save_checkpoint(ctx: RunContext, step: int) -> str:
 def load_checkpoint(ctx: RunContext, step: int) -> dict:
     """Restore the policy actor; returns the small state the flow needs (incl. the KV scales to hand to refit)."""
     ck = ctx.checkpoint
-    state = ray.get(actor(ctx.policy).load_checkpoint.remote(ck.uri, step, endpoint_url=ck.endpoint_url))
+    state = policy_call(ctx.trainers, "load_checkpoint", ck.uri, step, endpoint_url=ck.endpoint_url)
     return {k: state[k] for k in ("step", "uri", "mlflow_run_id", "clip_bounds", "kv_scales") if k in state}

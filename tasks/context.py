@@ -53,13 +53,19 @@ class RunContext:
     checkpoint: CheckpointTarget
     rollout_fp8_spec: dict | None  # fp8core.spec.FP8Spec fields of the engine (saved with checkpoints for export)
     eval: EvalParams = EvalParams(n=0, ks=(), max_prompts=0, n_boot=2000)
+    policy_ranks: tuple[str, ...] = ()  # every data-parallel trainer, rank 0 (``policy``) first; () = just ``policy``
+
+    @property
+    def trainers(self) -> tuple[str, ...]:
+        """The trainer actors every policy call goes to (collectives: all ranks take part)."""
+        return self.policy_ranks or (self.policy,)
 
     @classmethod
     def from_config(cls, cfg, *, policy: str, rollouts: tuple[str, ...], run_id: str | None, tracking_uri: str | None,
-                    model_dir: str, checkpoint_uri: str | None) -> RunContext:
+                    model_dir: str, checkpoint_uri: str | None, policy_ranks: tuple[str, ...] = ()) -> RunContext:
         gen, cal, ck, ev = cfg.policy.generation, cfg.calibration, cfg.checkpointing, cfg.evaluation
         spec = cfg.rollout_fp8_spec()
-        return cls(policy=policy, rollouts=tuple(rollouts), run_id=run_id, tracking_uri=tracking_uri, model_dir=str(model_dir),
+        return cls(policy=policy, policy_ranks=tuple(policy_ranks), rollouts=tuple(rollouts), run_id=run_id, tracking_uri=tracking_uri, model_dir=str(model_dir),
                    seed=cfg.grpo.seed, recipe=cfg.recipe,
                    gen=GenParams(n=cfg.grpo.num_generations_per_prompt, max_tokens=gen.max_new_tokens,
                                  temperature=gen.temperature, top_p=gen.top_p),

@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RunContext
 from tasks.tracking import log_metrics
-from workers.cluster import actor, split_groups
+from workers.cluster import actor, policy_call, policy_refs, split_groups
 from workers.verifiers import verify
 
 TASK = dict(cache_policy=NO_CACHE, log_prints=False)
@@ -44,9 +44,12 @@ def refit(ctx: RunContext, kv_scales: dict | None = None) -> dict:
     t0 = time.perf_counter()
     policy = actor(ctx.policy)
     version = ray.get(policy.info.remote())["step"]  # the policy step of the weights (KV scales are checked against it)
-    weights = policy.refit_weights.remote()  # FP8 codes + scales for end-to-end FP8, else FP32 masters
+    # FP8 codes + scales for end-to-end FP8, else FP32 masters: data-parallel ranks gather them to rank 0 (all take
+    # part; the others return nothing)
+    weights, *others = policy_refs(ctx.trainers, "refit_weights")
     scales = kv_scales if ctx.kv_fp8 else None
     engine_s = ray.get([actor(name).refit.remote(weights, scales, weights_version=version) for name in ctx.rollouts])
+    ray.get(others)
     return {"time/refit_s": time.perf_counter() - t0, "time/refit_engine_s": max(engine_s),
             "time/refit_engine_mean_s": sum(engine_s) / len(engine_s), "refit/weights_version": float(version)}
 
@@ -104,7 +107,7 @@ def reward(ref: ray.ObjectRef, rows: list[dict]) -> tuple[list[float], dict]:
 def train(ctx: RunContext, ref: ray.ObjectRef, rewards: list[float], step: int) -> dict:
     """One GRPO step on the policy actor (loss, IS correction, clipping; Calibrated Clipping on its K-th steps)."""
     t0 = time.perf_counter()
-    m = ray.get(actor(ctx.policy).train_step.remote(ref, rewards, step=step))
+    m = policy_call(ctx.trainers, "train_step", ref, rewards, step=step)
     m["time/train_s"] = time.perf_counter() - t0
     log_metrics(ctx.tracking_uri, ctx.run_id, m, step)
     return m
@@ -117,7 +120,7 @@ def calibrate(ctx: RunContext, ref: ray.ObjectRef, step: int) -> tuple[dict | No
     t0 = time.perf_counter()
     if not (ctx.kv_fp8 and step % ctx.kv_period == 0):
         return None, {"time/calibrate_s": 0.0}
-    s = ray.get(actor(ctx.policy).calibrate_kv_scales.remote(ref, max_samples=ctx.kv_samples))
+    s = policy_call(ctx.trainers, "calibrate_kv_scales", ref, max_samples=ctx.kv_samples)
     m = {"time/calibrate_s": time.perf_counter() - t0}
     for key in ("k_scale", "v_scale"):
         m[f"kv/{key}_mean"] = sum(s[key]) / len(s[key])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,11 +175,17 @@ PLACEMENT_TIMEOUT_S = 120.0
 
 @dataclass
 class Workers:
-    policy_name: str
+    policy_name: str  # rank 0 of the data-parallel trainers (the one whose results the flow uses)
     rollout_names: tuple[str, ...]  # cluster.rollout_workers vLLM engines
     policy: object  # ray actor handles: keep them alive for the run
     rollouts: tuple
     placement_group: object | None = None
+    policy_names: tuple[str, ...] = ()  # every trainer rank, rank 0 first (cluster.policy_workers)
+    policies: tuple = ()
+
+    def __post_init__(self):
+        if not self.policy_names:
+            self.policy_names, self.policies = (self.policy_name,), (self.policy,)
 
     @property
     def rollout(self):
@@ -266,6 +273,44 @@ def _policy_actor_class():
     return PolicyActor
 
 
+def start_policy_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str, *, env: dict | None = None,
+                         scheduling=None) -> tuple[tuple[str, ...], tuple]:
+    """``cluster.policy_workers`` PolicyWorker actors (``fp8grpo-policy-{tag}`` for rank 0, ``-{tag}-{r}`` for the
+    others), constructed concurrently: with more than one they join one process group (workers/dp.py) whose
+    rendezvous is a free port on rank 0's node (a zero-CPU task placed where rank 0 will run finds it).
+    ``scheduling(i)``: the Ray scheduling strategy of placement bundle ``i`` (None: anywhere). Returns (names,
+    handles), rank 0 first; construction errors surface when the caller first waits on them."""
+    import ray
+
+    from workers.dp import DPGroup, free_endpoint
+
+    pw, m = cfg.ray.policy_worker, cfg.cluster.policy_workers
+    place = (lambda i: {"scheduling_strategy": scheduling(i)}) if scheduling is not None else (lambda i: {})
+    init = None
+    if m > 1:
+        init = ray.get(ray.remote(free_endpoint).options(num_cpus=0, **place(0)).remote())
+    names = tuple(f"fp8grpo-policy-{tag}" if r == 0 else f"fp8grpo-policy-{tag}-{r}" for r in range(m))
+    handles = tuple(ray.remote(_policy_actor_class()).options(
+        name=names[r], num_cpus=pw.num_cpus, num_gpus=pw.num_gpus, runtime_env={"env_vars": dict(env or {})},
+        max_concurrency=1, **place(r)).remote(
+            str(model_dir), cfg, run_dir=str(run_dir),
+            dp=DPGroup(r, m, init, cfg.cluster.collective_timeout_s) if m > 1 else None) for r in range(m))
+    return names, handles
+
+
+def policy_call(names: Sequence[str], method: str, *args, **kwargs):
+    """Call ``method`` on every trainer rank at once (data-parallel methods are collectives: each rank must take
+    part) and return rank 0's result; the other ranks' results are waited for (their errors surface) and dropped."""
+    import ray
+
+    return ray.get(policy_refs(names, method, *args, **kwargs))[0]
+
+
+def policy_refs(names: Sequence[str], method: str, *args, **kwargs) -> list:
+    """The object refs of ``method`` called on every trainer rank at once, rank 0 first (see :func:`policy_call`)."""
+    return [getattr(actor(n), method).remote(*args, **kwargs) for n in names]
+
+
 def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Workers:
     """Reserve the run's placement group (``cluster.placement_strategy``; fails with the bundles and the cluster's
     resources if Ray cannot place it), create the PolicyWorker and ``cluster.rollout_workers`` RolloutWorkers in
@@ -278,7 +323,7 @@ def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Work
     from fp8core.cpu import cap_env
     from workers.rollout import RolloutWorker
 
-    pw, rw = cfg.ray.policy_worker, cfg.ray.rollout_worker
+    rw = cfg.ray.rollout_worker
     threads = cfg.policy.generation.vllm_cfg.threads
     # FP8GRPO_CPU_CAP (+ ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA when it lowers this node's kind) reach the actors
     # before they import torch; each actor also applies the cap itself (fp8core.cpu.apply_cpu_cap) before vLLM.
@@ -307,18 +352,15 @@ def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Work
     def in_bundle(i: int):
         return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
 
-    policy_name = f"fp8grpo-policy-{tag}"
+    policy_names, policies = start_policy_workers(cfg, model_dir, run_dir, tag, env=env_p, scheduling=in_bundle)
     names = tuple(f"fp8grpo-rollout-{tag}-{k}" for k in range(n))
-    policy = ray.remote(_policy_actor_class()).options(
-        name=policy_name, num_cpus=pw.num_cpus, num_gpus=pw.num_gpus, runtime_env={"env_vars": env_p},
-        max_concurrency=1, scheduling_strategy=in_bundle(0)).remote(str(model_dir), cfg, run_dir=str(run_dir))
     rollouts = tuple(ray.remote(RolloutWorker).options(
         name=names[k], num_cpus=rw.num_cpus, num_gpus=rw.num_gpus, runtime_env={"env_vars": env_r},
         max_concurrency=1, scheduling_strategy=in_bundle(cfg.cluster.policy_workers + k)).remote(
             str(model_dir), rollout_config(cfg), run_dir=str(run_dir)) for k in range(n))
-    workers = Workers(policy_name, names, policy, rollouts, pg)
+    workers = Workers(policy_names[0], names, policies[0], rollouts, pg, policy_names, policies)
     try:
-        ray.get([policy.info.remote(), *(r.stats.remote() for r in rollouts)])
+        ray.get([*(p.info.remote() for p in policies), *(r.stats.remote() for r in rollouts)])
     except BaseException:
         stop_workers(workers, graceful=False)
         raise
@@ -349,7 +391,7 @@ def stop_workers(workers: Workers | None, *, graceful: bool = True) -> None:
             ray.get([r.shutdown.remote() for r in workers.rollouts], timeout=60)
         except Exception:  # noqa: BLE001 - best effort before the kill
             pass
-    for handle in (*workers.rollouts, workers.policy):
+    for handle in (*workers.rollouts, *workers.policies):
         try:
             ray.kill(handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already dead

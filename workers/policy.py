@@ -44,6 +44,7 @@ Numerics
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -53,6 +54,8 @@ from pathlib import Path
 import torch
 
 from configs.schema import Config
+from workers.dp import DPGroup, all_min, full_tensor, gather_objects, local_accumulation, unsharded
+from workers.dp import all_sum as dp_sum
 
 
 def _autocast(precision: str, device: torch.device, bf16_emulation=None):
@@ -182,7 +185,8 @@ def _pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
 class PolicyWorker:
     """See the module docstring. ``model_dir``: HF model (safetensors + config + tokenizer)."""
 
-    def __init__(self, model_dir: str | Path, cfg: Config, *, run_dir: str | Path | None = None):
+    def __init__(self, model_dir: str | Path, cfg: Config, *, run_dir: str | Path | None = None,
+                 dp: DPGroup | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from fp8core.rl.calibrated_clipping import CalibratedClipping, CalibratedClippingConfig
@@ -220,6 +224,12 @@ class PolicyWorker:
                                   pow2_activation=f8.pow2_activation_scaling_factors, backend=f8.backend)
             self.fp8_layers = convert_to_fp8(self.model, lin, num_first_layers_in_bf16=f8.num_first_layers_in_bf16,
                                              num_last_layers_in_bf16=f8.num_last_layers_in_bf16)
+        self.dp = dp or DPGroup()
+        if self.dp.active:  # data-parallel rank: FSDP2 shards masters, gradients and optimizer state (workers/dp.py)
+            from workers.dp import init_group, shard_model
+
+            init_group(self.dp, self.device)
+            shard_model(self.model, self.device)
         o = p.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
@@ -246,6 +256,12 @@ class PolicyWorker:
             ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"))
         self.skipped_updates = 0
         self.step = 0  # RL steps completed
+        # set True to keep the full gradients of each update of a step (before clipping) in recorded_updates (the
+        # first in recorded_gradients):
+        # the data-parallel equivalence tests compare them between 1 and M workers
+        self.record_gradients = False
+        self.recorded_gradients: dict[str, torch.Tensor] = {}
+        self.recorded_updates: list[dict[str, torch.Tensor]] = []
 
     # ------------------------------------------------------------------------------------------------ basic info
     def info(self) -> dict:
@@ -253,7 +269,7 @@ class PolicyWorker:
         return {"num_params": n, "fp8_layers": len(self.fp8_layers), "device": str(self.device),
                 "bf16_mode": self.bf16_mode if self.cfg.policy.precision == "bfloat16" else "off",
                 "clip_bounds": [self.clip_low, self.clip_high], "step": self.step,
-                "num_layers": self.model.config.num_hidden_layers}
+                "num_layers": self.model.config.num_hidden_layers, "dp_rank": self.dp.rank, "dp_world": self.dp.world}
 
     def bounds(self) -> tuple[float, float]:
         if self.cc is not None:
@@ -268,8 +284,16 @@ class PolicyWorker:
         from fp8core.moe import checkpoint_state_dict
 
         dt = getattr(torch, dtype)  # MoE experts under their checkpoint (per-expert) names, as the engine loads them
-        return {k: v.detach().to("cpu", dt).clone()
-                for k, v in checkpoint_state_dict(self.model.state_dict()).items()}
+        return {k: v.detach().to("cpu", dt).clone() for k, v in checkpoint_state_dict(self._full_state()).items()}
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict. Data-parallel: gathered to rank 0 (a collective: every rank calls it; the
+        others get ``{}``)."""
+        if not self.dp.active:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def refit_weights(self) -> dict[str, torch.Tensor]:
         """What a refit ships. End-to-end FP8 (the engine runs this trainer's FP8 numerics, Config.rollout_fp8_spec
@@ -280,9 +304,11 @@ class PolicyWorker:
         if trainer is not None and rollout is not None and trainer.forward_key() == rollout.forward_key():
             from fp8core.serve import served_state_dict
 
+            state = self._full_state()  # data-parallel: full on rank 0 only
+            with unsharded(self.model, self.dp):  # the FP8 linears quantize their full weights
+                served = served_state_dict(self.model, hp_dtype=torch.bfloat16, state=state) if state else {}
             # FP8 codes travel as their bytes (uint8): pickling float8 tensors fails in torch 2.13, and Ray pickles
-            return {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v
-                    for k, v in served_state_dict(self.model, hp_dtype=torch.bfloat16).items()}
+            return {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in served.items()}
         return self.weights()
 
     # ---------------------------------------------------------------------------------------------------- logprobs
@@ -311,6 +337,14 @@ class PolicyWorker:
             e = token_entropy(z.detach())
             ent = torch.cat([torch.zeros_like(e[:, :1]), e], dim=1)
         return logp, ent
+
+    def _zero_loss(self, one: Batch) -> torch.Tensor:
+        """0 x a full forward of ``one``: the gradient-sync pass of a data-parallel update (workers/dp.py)."""
+        measure, self._moe_measure = self._moe_measure, False  # not a real forward: no moe/* counts
+        try:
+            return self._token_logp(one)[0].sum() * 0.0
+        finally:
+            self._moe_measure = measure
 
     @torch.no_grad()
     def _record_routing(self, b: Batch) -> None:
@@ -342,9 +376,28 @@ class PolicyWorker:
 
     @torch.no_grad()
     def logprobs(self, b: Batch, *, want_entropy: bool = False, rows: torch.Tensor | None = None):
-        """No-grad logprobs (and entropies) ``[B, L]`` of ``b`` (of ``b.slice(rows)`` when given). Rows are batched
-        longest-first and each batch is trimmed to its own longest sequence (less padding); results come back in
-        the input order, zero beyond each batch's width, as before."""
+        """No-grad logprobs (FP32) and entropies (FP64) ``[B, L]`` of ``b`` (of ``b.slice(rows)`` when given). Rows
+        are batched longest-first and each batch is trimmed to its own longest sequence (less padding); results come
+        back in the input order, zero beyond each batch's width. Data-parallel (a collective: every rank calls it
+        with the same arguments): each rank computes a share of the rows on its gathered weights, the sum over
+        ranks assembles them on every rank."""
+        if not self.dp.active:
+            return self._local_logprobs(b, want_entropy=want_entropy, rows=rows)
+        rows = torch.arange(len(b)) if rows is None else rows
+        mine = self.dp.share(torch.arange(len(rows)))
+        lp = torch.zeros(len(rows), b.width)
+        ent = torch.zeros(len(rows), b.width, dtype=torch.float64) if want_entropy else None
+        with unsharded(self.model, self.dp):
+            if len(mine):
+                lp_m, ent_m = self._local_logprobs(b, want_entropy=want_entropy, rows=rows[mine])
+                lp[mine] = lp_m.float()
+                if ent is not None:
+                    ent[mine] = ent_m.double()
+        dp_sum(*(t for t in (lp, ent) if t is not None), group=self.dp)
+        return lp, ent
+
+    @torch.no_grad()
+    def _local_logprobs(self, b: Batch, *, want_entropy: bool = False, rows: torch.Tensor | None = None):
         was = self.model.training
         self.model.eval()
         sub = b if rows is None else b.slice(rows)
@@ -452,32 +505,47 @@ class PolicyWorker:
             self.optimizer.zero_grad(set_to_none=True)
             n_gb += 1
             finite = True
-            for m0 in range(0, len(gidx), mbs):
-                idx = gidx[m0: m0 + mbs]
-                mb = b.slice(idx).trimmed()
-                w = mb.width
-                fresh = u == 0 and len(first) > 0  # rows whose old logprobs this forward provides
-                logp, e = self._token_logp(mb, want_entropy=fresh)
-                if fresh:
-                    old_logp[idx] = _pad_cols(logp.detach().cpu(), b.width)
-                    ent[idx] = _pad_cols(e.cpu(), b.width)
-                    known[idx] = True
-                    if use_is:
-                        is_w[idx] = _pad_cols(importance_weights(old_logp[idx, :w], mb.rollout_logp, mb.mask,
-                                                                 **is_kw)[0], b.width)
-                loss, lm = clipped_pg_loss(
-                    logp, old_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
-                    clip_low=clip_low, clip_high=clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg,
-                    is_weights=None if is_w is None else is_w[idx, :w].to(logp.device), normalizer=normalizer)
-                if not torch.isfinite(loss):
-                    finite = False
-                    break
-                loss.backward()
-                n_mb += 1
-                clip_parts.append((u, lm, adv[idx], mb.mask))
-                for k, v in lm.items():
-                    if not k.startswith("clip/"):
-                        sums[k] = sums.get(k, 0.0) + v
+            mine = self.dp.share(gidx)  # data-parallel: this rank's contiguous share (all rows without a group)
+            with local_accumulation(self.model, self.dp) as reduce_grads:
+                for m0 in range(0, len(mine), mbs):
+                    idx = mine[m0: m0 + mbs]
+                    mb = b.slice(idx).trimmed()
+                    w = mb.width
+                    fresh = u == 0 and len(first) > 0  # rows whose old logprobs this forward provides
+                    logp, e = self._token_logp(mb, want_entropy=fresh)
+                    if fresh:
+                        old_logp[idx] = _pad_cols(logp.detach().cpu(), b.width)
+                        ent[idx] = _pad_cols(e.cpu(), b.width)
+                        known[idx] = True
+                        if use_is:
+                            is_w[idx] = _pad_cols(importance_weights(old_logp[idx, :w], mb.rollout_logp, mb.mask,
+                                                                     **is_kw)[0], b.width)
+                    loss, lm = clipped_pg_loss(
+                        logp, old_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
+                        clip_low=clip_low, clip_high=clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg,
+                        is_weights=None if is_w is None else is_w[idx, :w].to(logp.device), normalizer=normalizer)
+                    if not torch.isfinite(loss):
+                        finite = False
+                        break
+                    loss.backward()
+                    n_mb += 1
+                    clip_parts.append((u, lm, adv[idx], mb.mask))
+                    for k, v in lm.items():
+                        if not k.startswith("clip/"):
+                            sums[k] = sums.get(k, 0.0) + v
+                if self.dp.active:  # all ranks skip the update if any rank's loss was not finite
+                    finite = all_min(float(finite), self.dp) > 0
+                    one = b.slice(gidx[:1]).trimmed()
+                    reduce_grads(functools.partial(self._zero_loss, one))
+            if u == 0 and self.dp.active and len(first):  # each rank filled its own rows of the first update
+                for t in (old_logp, ent, is_w):
+                    if t is not None:
+                        part = t[first].clone()
+                        dp_sum(part, group=self.dp)
+                        t[first] = part
+                k = known[first].double()
+                dp_sum(k, group=self.dp)
+                known[first] = k > 0
             if u == 0 and not bool(known.all()):  # a non-finite loss stopped the first update early: its
                 missing = (~known).nonzero().squeeze(1)  # weights are untouched (no step), so finish the pass
                 old_logp[missing], ent[missing] = self.logprobs(b, want_entropy=True, rows=missing)
@@ -486,8 +554,13 @@ class PolicyWorker:
                                                        **is_kw)[0]
                 known[missing] = True
                 self.model.train()
+            if self.record_gradients:  # full gradients of every update, before clipping (tests)
+                grads = {n: full_tensor(q.grad).detach().cpu().clone()
+                         for n, q in self.model.named_parameters() if q.grad is not None}
+                self.recorded_updates = [*(self.recorded_updates if u else []), grads]
+                self.recorded_gradients = self.recorded_updates[0]
             t_opt0 = time.perf_counter()
-            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.policy.max_grad_norm)
+            gn = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.policy.max_grad_norm))
             if finite and torch.isfinite(gn):
                 self.optimizer.step()
                 updates += 1
@@ -500,6 +573,15 @@ class PolicyWorker:
         lr_used = float(self.optimizer.param_groups[0]["lr"])  # the LR this step's updates used (before the advance)
         self.scheduler.step()
         self._moe_measure = False
+        if self.dp.active:  # every rank's micro-batches
+            parts = gather_objects((sums, n_mb, [(u, lm, a, mk) for u, lm, a, mk in clip_parts]), self.dp)
+            sums, n_mb, clip_parts = {}, sum(p[1] for p in parts), [c for p in parts for c in p[2]]
+            for part_sums, _, _ in parts:
+                for k, v in part_sums.items():
+                    sums[k] = sums.get(k, 0.0) + v
+            if self.moe_layers:  # every rank's routing counts
+                accs = gather_objects(self._moe_acc, self.dp)
+                self._moe_acc = {**accs[0], **{k: sum(a[k] for a in accs) for k in ("mismatch", "tokens", "counts")}}
         if self.moe_layers:
             m.update(self._moe_metrics())
         m.update(mismatch_metrics(old_logp, b.rollout_logp, b.mask))
@@ -568,8 +650,20 @@ class PolicyWorker:
         bs = self.cfg.policy.logprob_batch_size
         batches = [{"input_ids": b.tokens[i:i + bs].to(self.device), "attention_mask": b.attn[i:i + bs].to(self.device)}
                    for i in range(0, len(b), bs)]
-        with _autocast(self.cfg.policy.precision, self.device, self.bf16_emulation):
-            scales = calibrate_kv_scales(self.model, batches)
+        if self.dp.active:  # each rank its share of the micro-batches; the percentile over all ranks' amaxes
+            from fp8core.rl.kv_calibration import collect_qkv_amax, scales_from_amax, validate_kv_scales
+
+            with unsharded(self.model, self.dp), _autocast(self.cfg.policy.precision, self.device,
+                                                           self.bf16_emulation):
+                mine = batches[self.dp.rank::self.dp.world]
+                amax = collect_qkv_amax(self.model, mine) if mine else None
+            parts = [a for a in gather_objects(amax, self.dp) if a is not None]
+            amax = {k: torch.cat([a[k] for a in parts]) for k in parts[0]}
+            scales = scales_from_amax(amax)
+            validate_kv_scales(scales, num_layers=amax["q"].shape[1])
+        else:
+            with _autocast(self.cfg.policy.precision, self.device, self.bf16_emulation):
+                scales = calibrate_kv_scales(self.model, batches)
         self.model.train(was)
         # version: the policy step whose weights produced these scales (the engine refuses stale ones at refit)
         self.kv_scales = {**{k: [float(x) for x in v] for k, v in scales.items()}, "version": self.step}
@@ -581,6 +675,8 @@ class PolicyWorker:
         """Write a complete checkpoint of RL step ``step`` (workers/checkpoint.py) and prune old ones."""
         from workers.checkpoint import CheckpointStore, model_files, rng_state
 
+        if self.dp.active:
+            return self._save_checkpoint_dp(uri, step, extra=extra, keep_last_k=keep_last_k, endpoint_url=endpoint_url)
         store = CheckpointStore(uri, endpoint_url=endpoint_url)
         state = {"clip_bounds": list(self.bounds()), "kv_scales": self.kv_scales,
                  "calibrated_clipping": self.cc.state_dict() if self.cc is not None else None,
@@ -592,16 +688,92 @@ class PolicyWorker:
         store.prune(keep_last_k)
         return out
 
+    def _param_names(self) -> list[str]:
+        """Parameter names in the optimizer's order (``model.parameters()``, the order of a checkpoint's optimizer
+        state indices)."""
+        return [n for n, _ in self.model.named_parameters()]
+
+    def _state_keys(self) -> set[str]:
+        return set(self.model.state_dict().keys())
+
+    @torch.no_grad()
+    def _load_full_state_dp(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping) -> None:
+        """Data-parallel load of a full (single-worker layout) checkpoint: every rank slices its own shard of each
+        parameter and of its AdamW moments from the full tensors (``distribute_tensor`` with no source rank: no
+        communication), and takes the optimizer's hyper-parameters."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        def local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            if isinstance(like, DTensor):
+                return distribute_tensor(full.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+            return full.to(like.dtype).clone()
+
+        params = dict(self.model.named_parameters())
+        for name, p in params.items():
+            p.copy_(local(weights[name], p))
+        for name, buf in self.model.named_buffers():
+            if name in weights:
+                buf.copy_(weights[name])
+        names = self._param_names()
+        saved_groups = optimizer["param_groups"]
+        if len(saved_groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint optimizer has {len(saved_groups)} parameter groups, the trainer "
+                             f"{len(self.optimizer.param_groups)}")
+        for group, saved in zip(self.optimizer.param_groups, saved_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.optimizer.state.clear()
+        for i, st in optimizer["state"].items():
+            p = params[names[int(i)]]
+            self.optimizer.state[p] = {k: (v.clone() if k == "step" else local(v, p)) for k, v in st.items()}
+        for m in self.model.modules():
+            cache = getattr(m, "weight_cache", None)
+            if cache is not None:
+                cache.clear()
+
+    def _save_checkpoint_dp(self, uri: str, step: int, *, extra, keep_last_k, endpoint_url) -> str | None:
+        """Data-parallel save: full weights and optimizer state gathered to rank 0, written there in the
+        single-worker layout (optimizer state indexed by parameter order), so any number of workers resumes it.
+        A collective: every rank calls it; ranks > 0 return None."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        from workers.checkpoint import CheckpointStore, model_files, rng_state
+
+        weights = self._full_state()
+        osd = get_optimizer_state_dict(self.model, self.optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.dp.rank != 0:
+            return None
+        store = CheckpointStore(uri, endpoint_url=endpoint_url)
+        state = {"clip_bounds": list(self.bounds()), "kv_scales": self.kv_scales,
+                 "calibrated_clipping": self.cc.state_dict() if self.cc is not None else None,
+                 "skipped_updates": self.skipped_updates, "fp8_layers": self.fp8_layers,
+                 "dp_world": self.dp.world, **(extra or {})}
+        out = store.save(step, weights={k: v.detach().cpu() for k, v in weights.items()},
+                         model_files=model_files(self.model_dir),
+                         optimizer={"optimizer": _optimizer_state_by_index(osd, self._param_names()),
+                                    "scheduler": self.scheduler.state_dict()},
+                         rng=rng_state(), state=state)
+        store.prune(keep_last_k)
+        return out
+
     def load_checkpoint(self, uri: str, step: int | None = None, *, endpoint_url: str | None = None) -> dict:
         """Restore weights, optimizer, scheduler, RNG, clip bounds and KV scales; returns the trainer state."""
         from workers.checkpoint import CheckpointStore, set_rng_state
 
         ck = CheckpointStore(uri, endpoint_url=endpoint_url).load(step)
-        missing, unexpected = self.model.load_state_dict(ck.weights, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{ck.uri}: checkpoint does not match the model (missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]})")
-        self.optimizer.load_state_dict(ck.optimizer["optimizer"])
+        if self.dp.active:  # every rank reads the full checkpoint and keeps its shard (any M can resume any M')
+            keys = self._state_keys()
+            missing, unexpected = sorted(keys - set(ck.weights)), sorted(set(ck.weights) - keys)
+            if missing or unexpected:
+                raise ValueError(f"{ck.uri}: checkpoint does not match the model (missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
+            self._load_full_state_dp(ck.weights, ck.optimizer["optimizer"])
+        else:
+            missing, unexpected = self.model.load_state_dict(ck.weights, strict=False)
+            if missing or unexpected:
+                raise ValueError(f"{ck.uri}: checkpoint does not match the model (missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
+            self.optimizer.load_state_dict(ck.optimizer["optimizer"])
         self.scheduler.load_state_dict(ck.optimizer["scheduler"])
         if ck.rng is not None:
             set_rng_state(ck.rng)
@@ -612,3 +784,13 @@ class PolicyWorker:
         self.skipped_updates = int(st.get("skipped_updates", 0))
         self.step = ck.step
         return {**st, "step": ck.step, "uri": ck.uri}
+
+
+def _optimizer_state_by_index(osd: Mapping, names: Sequence[str]) -> dict:
+    """torch.distributed.checkpoint's full optimizer state (keyed by parameter name) -> ``optimizer.state_dict()``'s
+    layout (keyed by the parameter's position in ``names``), what a single worker saves and loads."""
+    index = {n: i for i, n in enumerate(names)}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+              for g in osd["param_groups"]]
+    return {"state": {index[n]: v for n, v in osd["state"].items()}, "param_groups": groups}
+

@@ -133,7 +133,8 @@ READERS = {
     "cluster.num_nodes": ("configs/schema.py", "c.cluster.num_nodes"),  # consistency with ray.* checked at load
     "cluster.gpus_per_node": ("configs/schema.py", "c.cluster.gpus_per_node"),
     "cluster.rollout_workers": ("workers/cluster.py", "cfg.cluster.rollout_workers"),
-    "cluster.policy_workers": ("workers/cluster.py", "cfg.cluster.policy_workers"),  # only 1 (checked at load)
+    "cluster.policy_workers": ("workers/cluster.py", "cfg.cluster.policy_workers"),
+    "cluster.collective_timeout_s": ("workers/cluster.py", "cfg.cluster.collective_timeout_s"),
     "cluster.placement_strategy": ("workers/cluster.py", "cfg.cluster.placement_strategy"),
     "bootstrap.assets_dir": ("flows/grpo.py", "cfg.bootstrap.assets_dir"),
     "bootstrap.sft_steps": ("flows/grpo.py", "cfg.bootstrap.sft_steps"),
@@ -154,7 +155,7 @@ REJECTED = [
     ("loss_fn.reference_policy_kl_penalty=0.1", "loss_fn.reference_policy_kl_penalty"),
     ("cluster.num_nodes=2", "cluster.num_nodes"),
     ("ray.rollout_worker.num_gpus=1", "cluster.gpus_per_node"),
-    ("cluster.policy_workers=2", "cluster.policy_workers"),
+    ("cluster.policy_workers=0", "cluster.policy_workers"),
     ("cluster.rollout_workers=0", "cluster.rollout_workers"),
     ("cluster.placement_strategy=RANDOM", "cluster.placement_strategy"),
     ("ray.rollout_worker.num_cpus=0", "ray.rollout_worker.num_cpus"),

@@ -48,7 +48,8 @@ def test_placement_bundles_policy_first_then_one_per_engine():
 
 
 @pytest.mark.parametrize("overrides, key, needle", [
-    (["cluster.policy_workers=2"], "cluster.policy_workers", "data-parallel trainers"),
+    (["cluster.policy_workers=0"], "cluster.policy_workers", "data-parallel trainers"),
+    (["cluster.collective_timeout_s=0"], "cluster.collective_timeout_s", "must be in"),
     (["cluster.rollout_workers=0"], "cluster.rollout_workers", "must be >= 1"),
     (["cluster.placement_strategy=RANDOM"], "cluster.placement_strategy", "RANDOM"),
     (["ray.rollout_worker.num_cpus=0"], "ray.rollout_worker.num_cpus", "cannot be empty"),
