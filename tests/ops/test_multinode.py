@@ -1,8 +1,8 @@
 """A real multi-node path on one machine (issue 13, item 4): ``scripts/cluster`` starts a Ray head and a worker node as
 separate ``ray start`` processes with token authentication; ``python -m flows.grpo`` connects with ``ray.address``
-and ``ray.auth_token_path`` and runs 2 rollout engines + the policy spread over the two nodes (the head has room for
-one bundle only), writes a checkpoint and MLflow metrics, then a second run resumes from that checkpoint on the
-same cluster. ``scripts/cluster stop`` leaves none of the cluster's processes."""
+and ``ray.auth_token_path`` and runs 2 rollout engines + 2 data-parallel trainers spread over the two nodes (the
+head has room for one engine + one trainer), writes a checkpoint and MLflow metrics; a second run resumes from that
+checkpoint with the same 2 trainers, a third with 1 (2 -> 1), on the same cluster. ``scripts/cluster stop`` leaves none of the cluster's processes."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _cluster_pids(d) -> list[int]:
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_two_nodes_two_engines_checkpoint_and_resume(tmp_path):
+def test_two_nodes_two_engines_two_trainers_checkpoint_and_resume(tmp_path):
     from mlflow.tracking import MlflowClient
 
     d = tmp_path / "cluster"
@@ -48,22 +48,30 @@ def test_two_nodes_two_engines_checkpoint_and_resume(tmp_path):
         db = f"sqlite:///{tmp_path / 'mlflow.db'}"
         base = ["configs/tiny_fp8_e2e.yaml", *TINY, f"run_dir={tmp_path / 'run'}", f"logger.mlflow.tracking_uri={db}",
                 f"ray.address={state['address']}", f"ray.auth_token_path={token}", "cluster.rollout_workers=2",
-                "cluster.placement_strategy=SPREAD", "grpo.val_at_start=false"]
+                "cluster.placement_strategy=SPREAD", "grpo.val_at_start=false", "cluster.policy_workers=2",
+                "ray.policy_worker.num_cpus=0.5"]
         r1 = run_logged([sys.executable, "-m", "flows.grpo", *base, "grpo.max_num_steps=1"], env=env, timeout=1200)
         assert r1.returncode == 0, r1.stdout[-3000:] + r1.stderr[-3000:]
         assert "rollout 2 x vLLM" in r1.stdout and "on 2 Ray node(s)" in r1.stdout, r1.stdout[-3000:]
+        assert "x 2 trainer(s)" in r1.stdout, r1.stdout[-3000:]
         r2 = run_logged([sys.executable, "-m", "flows.grpo", *base, "grpo.max_num_steps=2",
                          "checkpointing.resume=true"], env=env, timeout=1200)
         assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
         assert "resume: checkpoint" in r2.stdout and "(step 1)" in r2.stdout and "on 2 Ray node(s)" in r2.stdout
         summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         assert (summary["first_step"], summary["last_step"]) == (2, 2)
+        r3 = run_logged([sys.executable, "-m", "flows.grpo", *base, "grpo.max_num_steps=3", "checkpointing.resume=true",
+                         "cluster.policy_workers=1"], env=env, timeout=1200)  # 2 trainers' checkpoint on 1
+        assert r3.returncode == 0, r3.stdout[-3000:] + r3.stderr[-3000:]
+        assert "(step 2)" in r3.stdout and "x 1 trainer(s)" in r3.stdout, r3.stdout[-3000:]
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+        assert (summary["first_step"], summary["last_step"]) == (3, 3)
 
         c = MlflowClient(tracking_uri=db)
         run = c.get_run(summary["mlflow_run_id"])
         assert run.info.status == "FINISHED" and run.data.tags["cluster/nodes"] == "2"
         for key in ("reward/mean", "rollout/engines", "mismatch/token_mult_prob_error"):
-            assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == [1, 2], key
+            assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == [1, 2, 3], key
         assert {m.value for m in c.get_metric_history(run.info.run_id, "rollout/engines")} == {2.0}
     finally:
         s = subprocess.run([*CLUSTER, "stop", "--dir", str(d)], cwd=ROOT, capture_output=True, text=True,
