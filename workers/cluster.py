@@ -175,17 +175,20 @@ PLACEMENT_TIMEOUT_S = 120.0
 
 @dataclass
 class Workers:
-    policy_name: str  # rank 0 of the data-parallel trainers (the one whose results the flow uses)
+    policy_names: tuple[str, ...]  # every data-parallel trainer rank, rank 0 first (cluster.policy_workers)
     rollout_names: tuple[str, ...]  # cluster.rollout_workers vLLM engines
-    policy: object  # ray actor handles: keep them alive for the run
+    policies: tuple  # ray actor handles: keep them alive for the run
     rollouts: tuple
     placement_group: object | None = None
-    policy_names: tuple[str, ...] = ()  # every trainer rank, rank 0 first (cluster.policy_workers)
-    policies: tuple = ()
 
-    def __post_init__(self):
-        if not self.policy_names:
-            self.policy_names, self.policies = (self.policy_name,), (self.policy,)
+    @property
+    def policy_name(self) -> str:
+        """Rank 0 of the trainers: the one whose results the flow uses."""
+        return self.policy_names[0]
+
+    @property
+    def policy(self):
+        return self.policies[0]
 
     @property
     def rollout(self):
@@ -358,7 +361,7 @@ def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Work
         name=names[k], num_cpus=rw.num_cpus, num_gpus=rw.num_gpus, runtime_env={"env_vars": env_r},
         max_concurrency=1, scheduling_strategy=in_bundle(cfg.cluster.policy_workers + k)).remote(
             str(model_dir), rollout_config(cfg), run_dir=str(run_dir)) for k in range(n))
-    workers = Workers(policy_names[0], names, policies[0], rollouts, pg, policy_names, policies)
+    workers = Workers(policy_names, names, policies, rollouts, pg)
     try:
         ray.get([*(p.info.remote() for p in policies), *(r.stats.remote() for r in rollouts)])
     except BaseException:

@@ -671,19 +671,32 @@ class PolicyWorker:
 
     # ---------------------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, uri: str, step: int, *, extra: Mapping | None = None, keep_last_k: int | None = None,
-                        endpoint_url: str | None = None) -> str:
-        """Write a complete checkpoint of RL step ``step`` (workers/checkpoint.py) and prune old ones."""
+                        endpoint_url: str | None = None) -> str | None:
+        """Write a complete checkpoint of RL step ``step`` (workers/checkpoint.py) and prune old ones.
+        Data-parallel: full weights and optimizer state gathered to rank 0 and written there in the single-worker
+        layout (optimizer state indexed by parameter order), so any number of workers resumes it; a collective:
+        every rank calls it, ranks > 0 return None."""
         from workers.checkpoint import CheckpointStore, model_files, rng_state
 
         if self.dp.active:
-            return self._save_checkpoint_dp(uri, step, extra=extra, keep_last_k=keep_last_k, endpoint_url=endpoint_url)
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            weights = self._full_state()
+            osd = get_optimizer_state_dict(self.model, self.optimizer,
+                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.dp.rank != 0:
+                return None
+            optimizer = _optimizer_state_by_index(osd, self._param_names())
+        else:
+            weights, optimizer = self.model.state_dict(), self.optimizer.state_dict()
         store = CheckpointStore(uri, endpoint_url=endpoint_url)
         state = {"clip_bounds": list(self.bounds()), "kv_scales": self.kv_scales,
                  "calibrated_clipping": self.cc.state_dict() if self.cc is not None else None,
-                 "skipped_updates": self.skipped_updates, "fp8_layers": self.fp8_layers, **(extra or {})}
-        out = store.save(step, weights={k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                 "skipped_updates": self.skipped_updates, "fp8_layers": self.fp8_layers,
+                 "dp_world": self.dp.world, **(extra or {})}
+        out = store.save(step, weights={k: v.detach().cpu() for k, v in weights.items()},
                          model_files=model_files(self.model_dir),
-                         optimizer={"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                         optimizer={"optimizer": optimizer, "scheduler": self.scheduler.state_dict()},
                          rng=rng_state(), state=state)
         store.prune(keep_last_k)
         return out
@@ -700,7 +713,8 @@ class PolicyWorker:
     def _load_full_state_dp(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping) -> None:
         """Data-parallel load of a full (single-worker layout) checkpoint: every rank slices its own shard of each
         parameter and of its AdamW moments from the full tensors (``distribute_tensor`` with no source rank: no
-        communication), and takes the optimizer's hyper-parameters."""
+        communication), and takes the optimizer's hyper-parameters. (The FP8 linears' weight caches are empty here:
+        data-parallel ranks fill them only inside ``workers.dp.unsharded``, which empties them on exit.)"""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         def local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -725,36 +739,6 @@ class PolicyWorker:
         for i, st in optimizer["state"].items():
             p = params[names[int(i)]]
             self.optimizer.state[p] = {k: (v.clone() if k == "step" else local(v, p)) for k, v in st.items()}
-        for m in self.model.modules():
-            cache = getattr(m, "weight_cache", None)
-            if cache is not None:
-                cache.clear()
-
-    def _save_checkpoint_dp(self, uri: str, step: int, *, extra, keep_last_k, endpoint_url) -> str | None:
-        """Data-parallel save: full weights and optimizer state gathered to rank 0, written there in the
-        single-worker layout (optimizer state indexed by parameter order), so any number of workers resumes it.
-        A collective: every rank calls it; ranks > 0 return None."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        from workers.checkpoint import CheckpointStore, model_files, rng_state
-
-        weights = self._full_state()
-        osd = get_optimizer_state_dict(self.model, self.optimizer,
-                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.dp.rank != 0:
-            return None
-        store = CheckpointStore(uri, endpoint_url=endpoint_url)
-        state = {"clip_bounds": list(self.bounds()), "kv_scales": self.kv_scales,
-                 "calibrated_clipping": self.cc.state_dict() if self.cc is not None else None,
-                 "skipped_updates": self.skipped_updates, "fp8_layers": self.fp8_layers,
-                 "dp_world": self.dp.world, **(extra or {})}
-        out = store.save(step, weights={k: v.detach().cpu() for k, v in weights.items()},
-                         model_files=model_files(self.model_dir),
-                         optimizer={"optimizer": _optimizer_state_by_index(osd, self._param_names()),
-                                    "scheduler": self.scheduler.state_dict()},
-                         rng=rng_state(), state=state)
-        store.prune(keep_last_k)
-        return out
 
     def load_checkpoint(self, uri: str, step: int | None = None, *, endpoint_url: str | None = None) -> dict:
         """Restore weights, optimizer, scheduler, RNG, clip bounds and KV scales; returns the trainer state."""

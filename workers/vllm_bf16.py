@@ -90,15 +90,20 @@ def is_moe_gate(prefix: str) -> bool:
     return prefix.endswith("mlp.gate")
 
 
-class Fp32GateLinearMethod(LinearMethodBase):
-    """A MoE router in FP32: the weight staged and kept in FP32, ``F.linear(x.float(), w)`` -> FP32 logits (the
-    trainer's fp8core.moe.FP32Router). Used by this method and workers/vllm_fp8.py for ``mlp.gate``."""
+class Fp32StagedLinearMethod(LinearMethodBase):
+    """A linear method whose checkpoint / refit tensors load into an FP32 ``weight`` (:func:`stage_fp32_weight`);
+    subclasses turn it into their kernel form in ``process_weights_after_loading``."""
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
         stage_fp32_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype,
                           extra_weight_attrs.get("weight_loader"))
+
+
+class Fp32GateLinearMethod(Fp32StagedLinearMethod):
+    """A MoE router in FP32: the weight staged and kept in FP32, ``F.linear(x.float(), w)`` -> FP32 logits (the
+    trainer's fp8core.moe.FP32Router). Used by this method and workers/vllm_fp8.py for ``mlp.gate``."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         pass
@@ -122,14 +127,8 @@ def stage_fp32_weight(layer: torch.nn.Module, input_size_per_partition: int, out
     layer.register_parameter("weight", weight)
 
 
-class Bf16EmulatedLinearMethod(LinearMethodBase):
+class Bf16EmulatedLinearMethod(Fp32StagedLinearMethod):
     """FP32 weight holding BF16 values; ``apply`` = FP32 GEMM, result rounded to BF16."""
-
-    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
-                       output_partition_sizes: list[int], input_size: int, output_size: int,
-                       params_dtype: torch.dtype, **extra_weight_attrs):
-        stage_fp32_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype,
-                          extra_weight_attrs.get("weight_loader"))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         w = layer.weight.data

@@ -73,7 +73,7 @@ from typing import Any
 import torch
 from torch.nn import Parameter
 from vllm.model_executor.layers.fused_moe import FusedMoEConfig, FusedMoEMethodBase, FusedMoEQuantConfig, RoutedExperts
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
@@ -84,10 +84,10 @@ from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
 from workers.vllm_bf16 import (
     Bf16EmulatedMoEMethod,
     Fp32GateLinearMethod,
+    Fp32StagedLinearMethod,
     expert_loader,
     is_moe_gate,
     stage_expert_weights,
-    stage_fp32_weight,
 )
 
 QUANT_NAME = "fp8core"
@@ -219,7 +219,7 @@ def _scale_loader(layer: torch.nn.Module, granularity: str):
     return load
 
 
-class Fp8CoreLinearMethod(LinearMethodBase):
+class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
     """Quantize at load/refit with fp8core (per logical partition, the recipe's weight granularity), or take
     pre-quantized FP8 codes + scales as they are; run fp8core's FP8 forward."""
 
@@ -232,8 +232,8 @@ class Fp8CoreLinearMethod(LinearMethodBase):
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
                        output_partition_sizes: list[int], input_size: int, output_size: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
-        stage_fp32_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype,
-                          extra_weight_attrs.get("weight_loader"))
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                               params_dtype, **extra_weight_attrs)
         layer.weight_block_size = self.config.weight_block_size
         # Pre-quantized checkpoints (an FP8 export, an FP8 refit) also bring ``<proj>.weight_scale_inv`` per
         # partition; ``weight`` then stages the FP8 codes (exact in FP32) and nothing is re-quantized.
