@@ -262,9 +262,15 @@ class TestingCfg:
     """TEST-ONLY fault injection (keep at the defaults in real runs): ``fault_val_accuracy_drop`` = d > 0 turns
     round(d * prompts) of the correct greedy validation answers of every set into wrong ones (chosen with the run's
     seed), i.e. a run degraded by d accuracy points; the nightly regression's tests use it to show that its verdict
-    fails on a degraded FP8 run. A run with a fault says so at start and carries the MLflow tag ``testing.fault``."""
+    fails on a degraded FP8 run. A run with a fault says so at start and carries the MLflow tag ``testing.fault``.
+    ``fault_kill_rollout_at_step`` = s > 0: the first rollout engine SIGKILLs its own process at the end of step s's
+    generation, before it returns (once per run dir); ``fault_kill_policy_at_step`` = s > 0: the last trainer rank
+    SIGKILLs itself at the start of step s's update (once per run dir, so a resumed run passes it) -- the worker-loss
+    tests of tests/ops/test_faults.py."""
 
     fault_val_accuracy_drop: float = 0.0
+    fault_kill_rollout_at_step: int = 0
+    fault_kill_policy_at_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -323,6 +329,10 @@ class ClusterCfg:
     rollout_workers: int = 1
     policy_workers: int = 1  # data-parallel trainers: FSDP2-sharded ranks of one process group (workers/dp.py)
     collective_timeout_s: float = 60.0  # a dead trainer rank fails the step within this (gloo's default: 30 min)
+    # Ray restarts a dead rollout engine (its process killed, OOM, a crash) up to this many times in a run; the step
+    # whose refit or rollout it broke waits for the new engine and redoes refit + rollout (same seeds, so the same
+    # samples). 0: a dead engine fails the run. A dead trainer always stops the run (resume from the last checkpoint).
+    rollout_max_restarts: int = 2
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
 
 
@@ -495,6 +505,8 @@ def _validate(c: Config):
            f"must be >= 1 (the number of data-parallel trainers), got {c.cluster.policy_workers}")
     _check(0 < c.cluster.collective_timeout_s <= 3600, "cluster.collective_timeout_s",
            f"{c.cluster.collective_timeout_s}: must be in (0, 3600] seconds")
+    _check(c.cluster.rollout_max_restarts >= 0, "cluster.rollout_max_restarts",
+           f"must be >= 0 (0: a dead rollout engine fails the run), got {c.cluster.rollout_max_restarts}")
     for name, w in (("policy_worker", c.ray.policy_worker), ("rollout_worker", c.ray.rollout_worker)):
         _check(w.num_cpus >= 0 and w.num_gpus >= 0, f"ray.{name}.num_cpus", "resources must be >= 0")
         _check(w.num_cpus > 0 or w.num_gpus > 0, f"ray.{name}.num_cpus",
@@ -596,6 +608,10 @@ def _validate_evaluation(c: Config):
            f"must be >= 100 for a percentile interval, got {ev.bootstrap_samples}")
     d = c.testing.fault_val_accuracy_drop
     _check(0.0 <= d < 1.0, "testing.fault_val_accuracy_drop", f"TEST-ONLY fault: must be in [0, 1), got {d}")
+    for key in ("fault_kill_rollout_at_step", "fault_kill_policy_at_step"):
+        s = getattr(c.testing, key)
+        _check(0 <= s <= c.grpo.max_num_steps, f"testing.{key}",
+               f"TEST-ONLY fault: a step in [1, grpo.max_num_steps={c.grpo.max_num_steps}] (0 = off), got {s}")
 
 
 # --------------------------------------------------------------------------------------------------------- loading

@@ -84,8 +84,11 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     )
     from workers.checkpoint import CheckpointStore
     from workers.cluster import (
+        WorkerLost,
+        actor_error,
         apply_env,
         check_rollout_kv,
+        dead_actors,
         init_ray,
         ray_auth,
         start_workers,
@@ -127,6 +130,10 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     data = PromptSource.from_config(cfg.data, train_path=train_path, validation_path=val_path, seed=cfg.grpo.seed)
     val_rows = data.validation_rows(cfg.grpo.max_val_samples)
     eval_rows = load_eval_sets(cfg)  # evaluation.sets: a missing file / column fails here, naming the key
+    for key in ("fault_kill_rollout_at_step", "fault_kill_policy_at_step"):
+        if getattr(cfg.testing, key):
+            _say(f"TEST-ONLY FAULT: testing.{key}={getattr(cfg.testing, key)}: a worker process will be SIGKILLed "
+                 "(a test of worker-loss handling; never use it in a real run)")
     if cfg.testing.fault_val_accuracy_drop:
         _say(f"TEST-ONLY FAULT: testing.fault_val_accuracy_drop={cfg.testing.fault_val_accuracy_drop}: validation "
              "accuracy is deliberately degraded (a test of the regression verdict; never use it in a real run)")
@@ -174,7 +181,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
                                "rollout/bf16_mode": r_stats["bf16_mode"], "cluster/nodes": worker_nodes(workers)})
         ctx = RunContext.from_config(cfg, policy=workers.policy_name, rollouts=workers.rollout_names, run_id=run_id,
                                      tracking_uri=uri, model_dir=str(model_dir), checkpoint_uri=ck_uri,
-                                     policy_ranks=workers.policy_names)
+                                     policy_ranks=workers.policy_names, run_dir=str(run_dir))
         kv_scales = None  # FP8 KV cache: calibrated on the policy, handed to every refit (they carry their step)
         if resume_state is not None:
             kv_scales = load_checkpoint(ctx, start_step).get("kv_scales")
@@ -209,7 +216,20 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         skipped_before = 0.0
         for step in range(start_step + 1, cfg.grpo.max_num_steps + 1):
             rows = data.train_rows(step - 1, cfg.grpo.num_prompts_per_step)
-            m, kv_scales = rl_step(ctx, rows, step, kv_scales)
+            try:
+                m, kv_scales = rl_step(ctx, rows, step, kv_scales)
+            except Exception as e:  # a dead trainer rank: stop now with what to do, not a Ray traceback
+                lost = dead_actors(e, ctx.trainers) if actor_error(e) is not None else []
+                if not lost:
+                    raise
+                done = CheckpointStore(ck_uri, endpoint_url=ck_cfg.s3_endpoint_url).latest_step() if ck_uri else None
+                where = (f"the last complete checkpoint is step {done} under {ck_uri}: rerun the same command with "
+                         "checkpointing.resume=true to continue from it" if done is not None else
+                         "no complete checkpoint was written yet: rerun from the start")
+                msg = (f"policy worker(s) {', '.join(lost)} died during step {step} ({type(e).__name__}); the run "
+                       f"stops and its other workers are ended; {where}")
+                _say(f"fp8-grpo: {msg}")
+                raise WorkerLost(msg) from e
             history.append(m)
             last = step == cfg.grpo.max_num_steps
             if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or last:

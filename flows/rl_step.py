@@ -1,5 +1,9 @@
 """Subflow ``rl_step``: refit (weights + KV scales) -> rollout -> reward -> train -> calibrate, each a Prefect task.
 
+A rollout engine that dies in refit, rollout or reward (Ray restarts it, ``cluster.rollout_max_restarts``) makes
+the step wait for it and redo the three (same seeds: the same samples; nothing was trained or logged yet):
+``fault/rollout_retries``, ``time/engine_restart_wait_s``. A dead trainer fails the step (flows/grpo.py stops the run).
+
 Returns the step's metrics (and the KV scales for the next refit): everything the tasks reported plus ``time/step_s``, each task's share of the step
 (``time/share_<task>``), the calibration share (KV scales + Calibrated Clipping), the orchestration overhead
 (``time/orchestration_s``, ``time/share_orchestration``: step time not spent in the workers' own work), the refit +
@@ -10,10 +14,12 @@ from __future__ import annotations
 import time
 
 from prefect import flow
+from ray.exceptions import RayError
 
 from tasks import rl
 from tasks.context import RunContext
 from tasks.tracking import log_metrics
+from workers.cluster import actor_error
 
 PHASES = ("refit", "rollout", "reward", "train", "calibrate")
 
@@ -24,11 +30,23 @@ def rl_step(ctx: RunContext, rows: list[dict], step: int, kv_scales: dict | None
     Returns (metrics, the KV scales for the next refit: this step's calibration, else the ones it was given)."""
     t0 = time.perf_counter()
     m: dict[str, float] = {}
-    m.update(rl.refit(ctx, kv_scales))
-    ref, rm = rl.rollout(ctx, rows, step, weights_version=int(m["refit/weights_version"]))
-    m.update(rm)
-    rewards, wm = rl.reward(ref, rows)
-    m.update(wm)
+    retries, waited = 0, 0.0
+    while True:  # refit -> rollout -> reward; redone when a rollout engine died in them (Ray restarts it)
+        try:
+            m.update(rl.refit(ctx, kv_scales))
+            ref, rm = rl.rollout(ctx, rows, step, weights_version=int(m["refit/weights_version"]))
+            m.update(rm)
+            rewards, wm = rl.reward(ref, rows)
+            m.update(wm)
+            break
+        except RayError as e:
+            if actor_error(e) is None or retries >= ctx.rollout_max_restarts:
+                raise
+            lost = rl.recover_engines(ctx, e)  # re-raises unless an engine died and came back
+            retries, waited = retries + 1, waited + lost["wait_s"]
+            print(f"step {step}: rollout engine(s) {', '.join(lost['engines'])} died ({type(e).__name__}); "
+                  f"restarted in {lost['wait_s']:.1f}s, redoing refit + rollout (retry {retries})", flush=True)
+    m["fault/rollout_retries"], m["time/engine_restart_wait_s"] = float(retries), waited
     tm = rl.train(ctx, ref, rewards, step)  # logs its own metrics
     m.update(tm)
     new_scales, cm = rl.calibrate(ctx, ref, step)

@@ -37,6 +37,16 @@ class CheckpointTarget:
 
 
 @dataclass(frozen=True)
+class Faults:
+    """TEST-ONLY worker kills (``testing.fault_kill_*_at_step``; 0 = off); ``marker_dir``: where a kill leaves its
+    once-only marker (the run dir), so a retried step or a resumed run does not kill again."""
+
+    kill_rollout_step: int = 0
+    kill_policy_step: int = 0
+    marker_dir: str = ""
+
+
+@dataclass(frozen=True)
 class RunContext:
     policy: str  # Ray actor names (tasks look actors up by name; handles never cross Prefect)
     rollouts: tuple[str, ...]  # the vLLM engines (cluster.rollout_workers): each step's prompt groups are split over them
@@ -54,6 +64,8 @@ class RunContext:
     rollout_fp8_spec: dict | None  # fp8core.spec.FP8Spec fields of the engine (saved with checkpoints for export)
     eval: EvalParams = EvalParams(n=0, ks=(), max_prompts=0, n_boot=2000)
     policy_ranks: tuple[str, ...] = ()  # every data-parallel trainer, rank 0 (``policy``) first; () = just ``policy``
+    rollout_max_restarts: int = 0  # cluster.rollout_max_restarts: steps broken by a dead engine are redone this often
+    faults: Faults = Faults()
 
     @property
     def trainers(self) -> tuple[str, ...]:
@@ -62,7 +74,8 @@ class RunContext:
 
     @classmethod
     def from_config(cls, cfg, *, policy: str, rollouts: tuple[str, ...], run_id: str | None, tracking_uri: str | None,
-                    model_dir: str, checkpoint_uri: str | None, policy_ranks: tuple[str, ...] = ()) -> RunContext:
+                    model_dir: str, checkpoint_uri: str | None, policy_ranks: tuple[str, ...] = (),
+                    run_dir: str = "") -> RunContext:
         gen, cal, ck, ev = cfg.policy.generation, cfg.calibration, cfg.checkpointing, cfg.evaluation
         spec = cfg.rollout_fp8_spec()
         return cls(policy=policy, policy_ranks=tuple(policy_ranks), rollouts=tuple(rollouts), run_id=run_id, tracking_uri=tracking_uri, model_dir=str(model_dir),
@@ -75,4 +88,7 @@ class RunContext:
                                                endpoint_url=ck.s3_endpoint_url),
                    rollout_fp8_spec=None if spec is None else asdict(spec),
                    eval=EvalParams(n=ev.num_samples, ks=tuple(ev.pass_k), max_prompts=ev.sampled_max_prompts,
-                                   n_boot=ev.bootstrap_samples, sets=tuple(ev.sampled_sets), fault_drop=cfg.testing.fault_val_accuracy_drop))
+                                   n_boot=ev.bootstrap_samples, sets=tuple(ev.sampled_sets), fault_drop=cfg.testing.fault_val_accuracy_drop),
+                   rollout_max_restarts=cfg.cluster.rollout_max_restarts,
+                   faults=Faults(kill_rollout_step=cfg.testing.fault_kill_rollout_at_step,
+                                 kill_policy_step=cfg.testing.fault_kill_policy_at_step, marker_dir=str(run_dir)))

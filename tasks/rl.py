@@ -13,10 +13,12 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RunContext
 from tasks.tracking import log_metrics
-from workers.cluster import actor, policy_call, policy_refs, split_groups
+from workers.cluster import actor, await_actors, dead_actors, policy_call, policy_refs, split_groups
+from workers.faults import claim_once
 from workers.verifiers import verify
 
 TASK = dict(cache_policy=NO_CACHE, log_prints=False)
+ENGINE_RESTART_TIMEOUT_S = 300.0  # a restarted engine rebuilds vLLM (seconds on CPU; model load + warm-up on GPU)
 VAL_TEMPERATURE = 0.01  # near-greedy: vLLM clamps smaller temperatures to 0.01 and the worker rejects 0
 
 
@@ -68,6 +70,8 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     seed = ctx.seed * 1_000_003 + step * 9973  # prompt i gets seed + i * n on whichever engine runs it
     ranges = split_groups(len(prompts), len(ctx.rollouts))
     engines = [actor(name) for name in ctx.rollouts[:len(ranges)]]
+    if ctx.faults.kill_rollout_step == step and claim_once(ctx.faults.marker_dir, "kill_rollout", step):
+        ray.get(engines[0].arm_fault_kill.remote())  # TEST-ONLY: engine 0 dies mid-rollout (workers/faults.py)
     parts = [e.generate.remote(prompts[a:b], n=g.n, max_tokens=g.max_tokens, temperature=g.temperature,
                                top_p=g.top_p, seed=seed + a * g.n, weights_version=weights_version,
                                routing=True)  # MoE engines attach each token's experts (replay, moe/* metrics)
@@ -107,10 +111,24 @@ def reward(ref: ray.ObjectRef, rows: list[dict]) -> tuple[list[float], dict]:
 def train(ctx: RunContext, ref: ray.ObjectRef, rewards: list[float], step: int) -> dict:
     """One GRPO step on the policy actor (loss, IS correction, clipping; Calibrated Clipping on its K-th steps)."""
     t0 = time.perf_counter()
+    if ctx.faults.kill_policy_step == step and claim_once(ctx.faults.marker_dir, "kill_policy", step):
+        ray.get(actor(ctx.trainers[-1]).arm_fault_kill.remote())  # TEST-ONLY: the last rank dies mid-step
     m = policy_call(ctx.trainers, "train_step", ref, rewards, step=step)
     m["time/train_s"] = time.perf_counter() - t0
     log_metrics(ctx.tracking_uri, ctx.run_id, m, step)
     return m
+
+
+@task(name="recover_engines", **TASK)
+def recover_engines(ctx: RunContext, err: BaseException) -> dict:
+    """After an actor error in refit / rollout / reward: which engines died (``err`` names one; any that no longer
+    resolves is gone too), and wait until Ray has restarted every engine (``cluster.rollout_max_restarts``). Returns
+    ``{"engines": [names], "wait_s": seconds}``; raises the original error when no rollout engine is among the dead
+    (a trainer: the flow stops the run) or an engine does not come back."""
+    dead = dead_actors(err, ctx.rollouts)
+    if not dead or dead_actors(err, ctx.trainers):
+        raise err
+    return {"engines": dead, "wait_s": await_actors(ctx.rollouts, ENGINE_RESTART_TIMEOUT_S)}
 
 
 @task(name="calibrate", **TASK, retries=1)
@@ -190,6 +208,7 @@ def validate(ctx: RunContext, sets: dict[str, list[dict]], step: int, *, kv_scal
     per-prompt dicts (id, question, answer, response, format_valid, correct[, samples_correct,
     samples_format_valid])}}`` -- the flow writes the records to run_dir/val/<set>/step_XXXXXX.jsonl."""
     t0 = time.perf_counter()
+    await_actors(ctx.rollouts, ENGINE_RESTART_TIMEOUT_S)  # a retry after an engine died: wait for its restart
     refit.fn(ctx, kv_scales)
     ev = ctx.eval
     sampled = sampled and ev.n > 0

@@ -304,9 +304,86 @@ def start_policy_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str, 
 def policy_call(names: Sequence[str], method: str, *args, **kwargs):
     """Call ``method`` on every trainer rank at once (data-parallel methods are collectives: each rank must take
     part) and return rank 0's result; the other ranks' results are waited for (their errors surface) and dropped."""
+    return get_fail_fast(policy_refs(names, method, *args, **kwargs))[0]
+
+
+def get_fail_fast(refs: Sequence) -> list:
+    """``ray.get(refs)``, but the first ref that fails raises at once, in completion order (``ray.get`` of a list
+    waits in list order: a dead rank 1 would surface only after rank 0, blocked in a collective with it, timed
+    out)."""
     import ray
 
-    return ray.get(policy_refs(names, method, *args, **kwargs))[0]
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, fetch_local=False)
+        ray.get(done)  # raises the failure of a finished ref (its value is fetched again below)
+    return ray.get(list(refs))
+
+
+class WorkerLost(RuntimeError):
+    """A trainer rank died (its process was killed, crashed or lost its node): the run stops; it resumes from the
+    last complete checkpoint with ``checkpointing.resume=true``."""
+
+
+def actor_error(err: BaseException):
+    """The RayActorError behind ``err`` (itself, or the cause of a task error whose argument came from a dead
+    actor), else None."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, RayActorError):
+            return err
+        nxt = getattr(err, "cause", None) if isinstance(err, RayTaskError) else None
+        err, seen = (nxt or err.__cause__), seen + 1
+    return None
+
+
+def dead_actors(err: BaseException, names: Sequence[str]) -> list[str]:
+    """Which of the actors ``names`` ``err`` (an actor error) is about: the one whose actor id it names, and any
+    whose name no longer resolves (dead for good). A restarting actor still resolves to the same id."""
+    import ray
+
+    ae = actor_error(err)
+    dead_id = getattr(ae, "actor_id", None) if ae is not None else None
+    out = []
+    for n in names:
+        try:
+            handle = ray.get_actor(n, namespace=NAMESPACE)
+        except ValueError:
+            out.append(n)
+            continue
+        if dead_id and handle._actor_id.hex() == dead_id:
+            out.append(n)
+    return out
+
+
+def await_actors(names: Sequence[str], timeout_s: float, *, poll_s: float = 0.5) -> float:
+    """Wait until every actor of ``names`` answers (``stats``), e.g. an engine Ray is restarting (calls to it fail
+    with ActorUnavailableError until its constructor is done: they are repeated); returns the seconds waited. Raises
+    TimeoutError naming the ones still not answering, or ActorDiedError for one that is dead for good."""
+    import time
+
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    t0 = time.perf_counter()
+    waiting = list(names)
+    while waiting:
+        left = timeout_s - (time.perf_counter() - t0)
+        if left <= 0:
+            raise TimeoutError(f"rollout engines {waiting} did not come back within {timeout_s:.0f}s")
+        refs = {actor(n).stats.remote(): n for n in waiting}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=left, fetch_local=False)
+        for ref in done:
+            try:
+                ray.get(ref)
+                waiting.remove(refs[ref])
+            except ActorUnavailableError:  # still restarting
+                pass
+        if waiting:
+            time.sleep(poll_s)
+    return time.perf_counter() - t0
 
 
 def policy_refs(names: Sequence[str], method: str, *args, **kwargs) -> list:
@@ -359,6 +436,9 @@ def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Work
     names = tuple(f"fp8grpo-rollout-{tag}-{k}" for k in range(n))
     rollouts = tuple(ray.remote(RolloutWorker).options(
         name=names[k], num_cpus=rw.num_cpus, num_gpus=rw.num_gpus, runtime_env={"env_vars": env_r},
+        # a dead engine is restarted in its bundle (a fresh engine on model_dir's weights: the step it broke
+        # refits it again, see flows/rl_step.py); calls in flight when it died fail instead of re-running
+        max_restarts=cfg.cluster.rollout_max_restarts, max_task_retries=0,
         max_concurrency=1, scheduling_strategy=in_bundle(cfg.cluster.policy_workers + k)).remote(
             str(model_dir), rollout_config(cfg), run_dir=str(run_dir)) for k in range(n))
     workers = Workers(policy_names, names, policies, rollouts, pg)

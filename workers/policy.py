@@ -256,6 +256,7 @@ class PolicyWorker:
             ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"))
         self.skipped_updates = 0
         self.step = 0  # RL steps completed
+        self._fault_kill = False  # TEST-ONLY (workers/faults.py): SIGKILL this process at the start of the next train_step
         # set True to keep the full gradients of each update of a step (before clipping) in recorded_updates (the
         # first in recorded_gradients):
         # the data-parallel equivalence tests compare them between 1 and M workers
@@ -270,6 +271,11 @@ class PolicyWorker:
                 "bf16_mode": self.bf16_mode if self.cfg.policy.precision == "bfloat16" else "off",
                 "clip_bounds": [self.clip_low, self.clip_high], "step": self.step,
                 "num_layers": self.model.config.num_hidden_layers, "dp_rank": self.dp.rank, "dp_world": self.dp.world}
+
+    def arm_fault_kill(self) -> None:
+        """TEST-ONLY (``testing.fault_kill_policy_at_step``): the next ``train_step`` SIGKILLs this process at its
+        start (workers/faults.py)."""
+        self._fault_kill = True
 
     def bounds(self) -> tuple[float, float]:
         if self.cc is not None:
@@ -439,6 +445,10 @@ class PolicyWorker:
         """One GRPO step on ``rollouts`` (RolloutWorker.generate output) with ``rewards`` (one per sample, prompt-major).
         Returns metrics (python floats, stable names)."""
         from fp8core.rl import clipped_pg_loss, importance_weights, mismatch_metrics, response_length_metrics
+        if self._fault_kill:  # TEST-ONLY: a trainer lost mid-step
+            from workers.faults import kill_self
+
+            kill_self()
         cfg, lf = self.cfg, self.cfg.loss_fn
         t0 = time.perf_counter()
         b = Batch.from_rollouts(rollouts, pad_id=self.tokenizer.pad_token_id)

@@ -316,6 +316,7 @@ class RolloutWorker:
         self._last_stats = {"tokens_per_s": None, "generated_tokens": 0, "wall_s": None}
         self._last_refit_s: float | None = None
         self._weights_version: int | None = None  # the policy step of the loaded weights (None: model_dir's)
+        self._fault_kill = False  # TEST-ONLY (workers/faults.py): SIGKILL this process at the end of the next generate
         t0 = time.perf_counter()
         self.llm = self._start_engine()
         self.start_s = time.perf_counter() - t0
@@ -443,6 +444,10 @@ class RolloutWorker:
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         wall = time.perf_counter() - t0
+        if self._fault_kill:  # TEST-ONLY: die mid-rollout (generated, not yet returned)
+            from workers.faults import kill_self
+
+            kill_self()
         results, n_gen = [], 0
         for i, out in enumerate(outs):
             samples = []
@@ -462,6 +467,11 @@ class RolloutWorker:
                     smp["routed_experts"] = self.routed_experts(r["prompt_token_ids"] + smp["token_ids"])
             self._last_stats["routing_s"] = time.perf_counter() - t1
         return results
+
+    def arm_fault_kill(self) -> None:
+        """TEST-ONLY (``testing.fault_kill_rollout_at_step``): the next ``generate`` SIGKILLs this process after
+        generating, before returning (workers/faults.py)."""
+        self._fault_kill = True
 
     def routed_experts(self, token_ids: list[int]) -> torch.Tensor:
         """The experts this engine routes each token of ``token_ids`` to: int16 ``[T, num_moe_layers, top_k]``.

@@ -123,6 +123,8 @@ READERS = {
     "evaluation.sampled_when": ("flows/grpo.py", "cfg.evaluation.sampled_when"),
     "evaluation.bootstrap_samples": ("tasks/context.py", "ev.bootstrap_samples"),
     "testing.fault_val_accuracy_drop": ("tasks/context.py", "cfg.testing.fault_val_accuracy_drop"),  # TEST-ONLY
+    "testing.fault_kill_rollout_at_step": ("tasks/context.py", "cfg.testing.fault_kill_rollout_at_step"),  # TEST-ONLY
+    "testing.fault_kill_policy_at_step": ("tasks/context.py", "cfg.testing.fault_kill_policy_at_step"),  # TEST-ONLY
     "ray.address": ("workers/cluster.py", "cfg.ray.address"),
     "ray.num_cpus": ("workers/cluster.py", "cfg.ray.num_cpus"),
     "ray.auth_token_path": ("workers/cluster.py", "cfg.ray.auth_token_path"),
@@ -135,6 +137,7 @@ READERS = {
     "cluster.rollout_workers": ("workers/cluster.py", "cfg.cluster.rollout_workers"),
     "cluster.policy_workers": ("workers/cluster.py", "cfg.cluster.policy_workers"),
     "cluster.collective_timeout_s": ("workers/cluster.py", "cfg.cluster.collective_timeout_s"),
+    "cluster.rollout_max_restarts": ("workers/cluster.py", "cfg.cluster.rollout_max_restarts"),
     "cluster.placement_strategy": ("workers/cluster.py", "cfg.cluster.placement_strategy"),
     "bootstrap.assets_dir": ("flows/grpo.py", "cfg.bootstrap.assets_dir"),
     "bootstrap.sft_steps": ("flows/grpo.py", "cfg.bootstrap.sft_steps"),
@@ -157,6 +160,9 @@ REJECTED = [
     ("ray.rollout_worker.num_gpus=1", "cluster.gpus_per_node"),
     ("cluster.policy_workers=0", "cluster.policy_workers"),
     ("cluster.rollout_workers=0", "cluster.rollout_workers"),
+    ("cluster.rollout_max_restarts=-1", "cluster.rollout_max_restarts"),
+    ("testing.fault_kill_rollout_at_step=99", "testing.fault_kill_rollout_at_step"),
+    ("testing.fault_kill_policy_at_step=-1", "testing.fault_kill_policy_at_step"),
     ("cluster.placement_strategy=RANDOM", "cluster.placement_strategy"),
     ("ray.rollout_worker.num_cpus=0", "ray.rollout_worker.num_cpus"),
 ]
