@@ -71,7 +71,9 @@ INTERVALS = (1, 2, 5)
 MIN_CALIBRATIONS = 3
 BF16_RECIPE, FP8_RECIPE = "configs/tiny_bf16.yaml", "configs/tiny_fp8_e2e.yaml"
 KEYS = ("clip/lower_neg_adv_frac", "clip/upper_pos_adv_frac", "policy/entropy", "calib/ratio_error_amplification",
-        "clip/bound_low", "clip/bound_high", "time/clip_calibration_s", "time/step_s", "calib/step")
+        "clip/bound_low", "clip/bound_high", "time/clip_calibration_s", "time/step_s", "calib/step",
+        "calib/bf16_lower_neg_frac", "calib/fp8_lower_neg_frac_at_ref", "calib/fp8_lower_neg_frac_after")
+PAIRED = ("calib/bf16_lower_neg_frac", "calib/fp8_lower_neg_frac_at_ref", "calib/fp8_lower_neg_frac_after")
 
 
 def _cc(k: int) -> tuple[str, ...]:
@@ -182,6 +184,12 @@ def rows(runs: list[ArmRuns], *, n_boot: int = 2000) -> list[dict]:
             "upper_pos_adv_frac": metric_summary(a, "clip/upper_pos_adv_frac"),
             "entropy_first": mean(e[0] for e in ent), "entropy_last": mean(e[1] for e in ent),
             "ratio_error_amplification": metric_summary(a, "calib/ratio_error_amplification") if cc else None,
+            # over-clipping on the same tokens (calibration steps): BF16 shadow at the reference lower bound vs FP8
+            # at the same bound, vs FP8 at the calibrated bound; and the FP8/BF16 ratio of the first two, per seed
+            "paired": {k: metric_summary(a, k) for k in PAIRED} if cc else None,
+            "over_clip_ratio": seed_t_interval([
+                (sum(f.values()) / sum(b.values())) if b and sum(b.values()) > 0 else float("nan")
+                for b, f in zip(a.hist[PAIRED[0]], a.hist[PAIRED[1]], strict=True)]) if cc else None,
             "bound_low_last": mean(_first_last(h)[1] for h in a.hist["clip/bound_low"]),
             "bound_high_last": mean(_first_last(h)[1] for h in a.hist["clip/bound_high"]),
             "step_s": metric_summary(a, "time/step_s"),
@@ -208,6 +216,21 @@ def table(rs: list[dict], ablation: dict[int, str], missing: list[str], *, n_boo
             f"{100 * r['upper_pos_adv_frac']['value']:.2f}% | {r['entropy_first']:.3f} -> {r['entropy_last']:.3f} | "
             f"{amp} | [{r['bound_low_last']:.2f}, {r['bound_high_last']:.2f}] | {fmt_ci(r['step_s'], digits=1)} s |")
     lines.append("")
+    paired = [r for r in main if r["paired"] is not None]
+    if paired:
+        lines += ["Over-clipping on the same tokens (every calibration step of the Calibrated-Clipping arms: the BF16 "
+                  "shadow and the FP8 policy score the same sampled tokens; fractions of the negative-advantage "
+                  "tokens whose ratio falls below the lower bound, where PPO's min silences them):", "",
+                  "| arm | seeds | BF16 shadow at the reference L | FP8 at the reference L (what vanilla FP8 "
+                  "clips) | FP8 / BF16 | FP8 at the calibrated L | ratio-error amplification |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in paired:
+            pr = r["paired"]
+            lines.append(
+                f"| {r['label']} (`{r['arm']}`) | {', '.join(map(str, r['seeds']))} | {pct(pr[PAIRED[0]])} | "
+                f"{pct(pr[PAIRED[1]])} | {fmt_ci(r['over_clip_ratio'], digits=2)}x | {pct(pr[PAIRED[2]])} | "
+                f"{fmt_ci(r['ratio_error_amplification'], digits=2)} |")
+        lines.append("")
     if ablation:
         lines += ["Calibration-interval ablation (Calibrated Clipping, shadow pass = BF16 forwards of the old and the "
                   "updated policy on calibration steps):", "",

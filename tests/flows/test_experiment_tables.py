@@ -137,6 +137,9 @@ def test_paper_study_tables_and_shadow_cost(tmp_path):
         if amp is not None:
             m["calib/ratio_error_amplification"] = {s: amp + s for s in cal_steps}
             m["calib/step"] = {s: float(s) for s in cal_steps}
+            m["calib/bf16_lower_neg_frac"] = dict.fromkeys(cal_steps, 0.01)
+            m["calib/fp8_lower_neg_frac_at_ref"] = {s: 0.02 + 0.01 * (s % 4 == 0) for s in cal_steps}
+            m["calib/fp8_lower_neg_frac_after"] = dict.fromkeys(cal_steps, 0.011)
         return m
 
     val = {0: [0, 0, 0, 0], 6: [1, 1, 0, 0]}
@@ -157,8 +160,14 @@ def test_paper_study_tables_and_shadow_cost(tmp_path):
     assert cc["shadow"]["share_of_wall"]["value"] == pytest.approx(1.5 / 40.0)
     assert k1["shadow"]["calibrations"]["value"] == 6 and k1["shadow"]["share_of_wall"]["value"] == pytest.approx(0.1)
     assert cc["entropy_first"] == pytest.approx(0.5) and cc["entropy_last"] == pytest.approx(0.25)
+    # paired over-clipping (cc: steps 2, 4, 6 -> FP8 at the reference L 0.02, 0.03, 0.02 vs BF16 0.01 each)
+    assert cc["paired"]["calib/fp8_lower_neg_frac_at_ref"]["value"] == pytest.approx(0.07 / 3)
+    assert cc["over_clip_ratio"]["value"] == pytest.approx(0.07 / 0.03)
+    assert rows["fp8-blockwise"]["paired"] is None
     t = out["table"]
     main_table, abl_table = t.split("Calibration-interval ablation")
+    over = main_table.split("Over-clipping on the same tokens")[1]
+    assert "| FP8 blockwise + CC (K=2) (`fp8-blockwise-cc`) | 0 | 1.00% | 2.33% | 2.33x | 1.10% | 5.00 |" in over
     assert "`fp8-blockwise-cc-k1`" not in main_table and "`fp8-blockwise-cc`" in main_table
     assert "| 1 | `fp8-blockwise-cc-k1` |" in abl_table and "| 2 | `fp8-blockwise-cc` |" in abl_table
     assert "| 10.0% |" in abl_table  # k1: 6 x 1 s of 60 s wall time

@@ -1,0 +1,135 @@
+"""Scaling figures of issue 13: the real flow (``python -m flows.grpo``: Prefect, Ray actors, vLLM, MLflow) for
+several worker layouts, one run after the other on the same model, prompts, batch and seed, read back from MLflow.
+
+    .venv/bin/python -m bench.scaling --layouts 1+1,2+1,1+2,2+2 --steps 5
+    .venv/bin/python -m bench.scaling --layouts 1+1 --baseline-tree /tmp/old-checkout --repeats 2
+
+A layout ``N+M`` is N rollout engines (``cluster.rollout_workers``) and M data-parallel trainers
+(``cluster.policy_workers``). Per layout: the median over steps 2..K of the step time, the rollout and train times,
+rollout tokens/s, the driver's refit wall and the per-engine refit (mean / slowest). On a 2-core machine every layout
+shares the same 2 cores: the figures show the overheads of more workers, not a speed-up.
+
+``--baseline-tree DIR`` also runs the 1+1 layout from another checkout of the project (e.g. the commit before the
+scale-out work), interleaved with this tree's 1+1 runs (A B A B ... ``--repeats`` times, so drifting machine load
+hits both alike), and prints this tree's 1+1 step time over the baseline's (the issue's "<= 5% growth" check).
+Overrides after the options apply to every run (``key=value``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSETS = ROOT / "runs" / "test-env" / "ops-assets"
+KEYS = ("time/step_s", "time/rollout_s", "time/train_s", "throughput/rollout_tokens_per_s", "time/refit_s",
+        "time/refit_engine_mean_s", "time/refit_engine_s")
+
+
+def base_overrides(model_dir: Path, data_dir: Path, steps: int) -> list[str]:
+    """The workload: the tests' 30-step SFT model on the addition task, 16 prompts x 8 samples x <= 64 tokens
+    (the tiny recipes' batch), no validation beyond a 16-prompt start-free end check, no checkpoints. Dynamic
+    sampling off, so every layout (and an older checkout without the key) trains on every group."""
+    return [f"policy.model_name={model_dir}", f"data.train_path={data_dir / 'train.jsonl'}",
+            f"data.validation_path={data_dir / 'validation.jsonl'}", f"grpo.max_num_steps={steps}",
+            "grpo.val_at_start=false", "grpo.val_period=0", "grpo.max_val_samples=16", "evaluation.num_samples=0",
+            "evaluation.sets=[]", "checkpointing.enabled=false"]
+
+
+def run_layout(tree: Path, recipe: str, overrides: list[str], n: int, m: int, tag: str, out: Path) -> dict:
+    from mlflow.tracking import MlflowClient
+
+    run_dir = out / tag
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    cmd = [sys.executable, "-m", "flows.grpo", str(tree / recipe), *overrides, f"run_dir={run_dir}",
+           f"logger.mlflow.tracking_uri={uri}", f"cluster.rollout_workers={n}"]
+    if m != 1:
+        cmd.append(f"cluster.policy_workers={m}")
+    t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": str(tree), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
+    r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{tag}: flow failed (rc {r.returncode}): {' '.join(cmd)}\n{r.stdout[-3000:]}"
+                           f"\n{r.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    c = MlflowClient(tracking_uri=uri)
+
+    def med(key: str) -> float | None:
+        vals = [x.value for x in sorted(c.get_metric_history(summary["mlflow_run_id"], key), key=lambda x: x.step)]
+        vals = vals[1:] or vals  # steps 2..K: step 1 carries the first-call compiles
+        return statistics.median(vals) if vals else None
+
+    return {"layout": f"{n}+{m}", "tree": str(tree), "wall_s": time.perf_counter() - t0,
+            "mlflow_run_id": summary["mlflow_run_id"], **{k: med(k) for k in KEYS}}
+
+
+def _fmt(x, spec=".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| engines + trainers | step s | rollout s | rollout tokens/s | refit s (driver) | refit per engine s "
+             "(mean / slowest) | train s |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {_fmt(r['time/step_s'])} | {_fmt(r['time/rollout_s'])} | "
+                     f"{_fmt(r['throughput/rollout_tokens_per_s'], '.0f')} | {_fmt(r['time/refit_s'])} | "
+                     f"{_fmt(r['time/refit_engine_mean_s'])} / {_fmt(r['time/refit_engine_s'])} | "
+                     f"{_fmt(r['time/train_s'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layouts", default="1+1,2+1,1+2,2+2")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--recipe", default="configs/tiny_fp8_e2e.yaml")
+    p.add_argument("--baseline-tree", type=Path, default=None)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "scaling")
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    layouts = []
+    for item in a.layouts.split(","):
+        try:
+            n, m = (int(x) for x in item.split("+"))
+        except ValueError:
+            p.error(f"--layouts: {item!r} is not N+M (engines+trainers)")
+        if n < 1 or m < 1:
+            p.error(f"--layouts: {item!r} needs at least one engine and one trainer")
+        layouts.append((n, m))
+    if a.baseline_tree is not None and not (a.baseline_tree / "flows" / "grpo.py").is_file():
+        p.error(f"--baseline-tree: {a.baseline_tree} is not a checkout of this project (no flows/grpo.py)")
+    from workers.bootstrap import default_sft, ensure_default_assets
+
+    # the tests' ops assets (reused when complete; the ops tests' bootstrap.sft_steps=30)
+    assets = ensure_default_assets(ASSETS, task="addition", sft=default_sft("addition", seed=0, steps=30))
+    model, data = Path(assets["model_dir"]), Path(assets["train"]).parent
+    a.out.mkdir(parents=True, exist_ok=True)
+    ov = [*base_overrides(model, data, a.steps), *a.overrides]
+    rows = []
+    for n, m in layouts:
+        rows.append(run_layout(ROOT, a.recipe, ov, n, m, f"{n}+{m}", a.out))
+        print(json.dumps(rows[-1]), flush=True)
+    print(table(rows))
+    if a.baseline_tree is not None:
+        pairs = []
+        for i in range(a.repeats):
+            base = run_layout(a.baseline_tree.resolve(), a.recipe, ov, 1, 1, f"baseline-{i}", a.out)
+            head = run_layout(ROOT, a.recipe, ov, 1, 1, f"head-{i}", a.out)
+            pairs.append((head["time/step_s"], base["time/step_s"]))
+            print(json.dumps({"repeat": i, "head_step_s": head["time/step_s"], "baseline_step_s": base["time/step_s"]}),
+                  flush=True)
+        ratio = statistics.median(h for h, _ in pairs) / statistics.median(b for _, b in pairs)
+        print(f"1+1 step time, this tree / baseline ({a.baseline_tree}): {ratio:.3f} "
+              f"(medians over {a.repeats} interleaved pairs: {[round(h, 2) for h, _ in pairs]} vs "
+              f"{[round(b, 2) for _, b in pairs]})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
