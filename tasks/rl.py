@@ -36,6 +36,12 @@ def prompts_for(model_dir: str, rows: list[dict]) -> list[str]:
     return [chat_prompt(tok, r["question"]) for r in rows]
 
 
+def _fault_due(ctx: RunContext, at: int, step: int, what: str) -> bool:
+    """TEST-ONLY: a ``testing.fault_kill_*_at_step`` kill is due now (``at`` >= 1 is this step; 0 = off, also for the
+    step-0 rollout of the initial KV calibration) and not done before in this run dir."""
+    return at >= 1 and at == step and claim_once(ctx.faults.marker_dir, what, step)
+
+
 @task(name="refit", **TASK, retries=1, retry_delay_seconds=2)
 def refit(ctx: RunContext, kv_scales: dict | None = None) -> dict:
     """Policy weights (+ the KV scales the flow hands over, computed by ``calibrate``) -> every rollout engine,
@@ -70,7 +76,7 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     seed = ctx.seed * 1_000_003 + step * 9973  # prompt i gets seed + i * n on whichever engine runs it
     ranges = split_groups(len(prompts), len(ctx.rollouts))
     engines = [actor(name) for name in ctx.rollouts[:len(ranges)]]
-    if ctx.faults.kill_rollout_step == step and claim_once(ctx.faults.marker_dir, "kill_rollout", step):
+    if _fault_due(ctx, ctx.faults.kill_rollout_step, step, "kill_rollout"):
         ray.get(engines[0].arm_fault_kill.remote())  # TEST-ONLY: engine 0 dies mid-rollout (workers/faults.py)
     parts = [e.generate.remote(prompts[a:b], n=g.n, max_tokens=g.max_tokens, temperature=g.temperature,
                                top_p=g.top_p, seed=seed + a * g.n, weights_version=weights_version,
@@ -111,7 +117,7 @@ def reward(ref: ray.ObjectRef, rows: list[dict]) -> tuple[list[float], dict]:
 def train(ctx: RunContext, ref: ray.ObjectRef, rewards: list[float], step: int) -> dict:
     """One GRPO step on the policy actor (loss, IS correction, clipping; Calibrated Clipping on its K-th steps)."""
     t0 = time.perf_counter()
-    if ctx.faults.kill_policy_step == step and claim_once(ctx.faults.marker_dir, "kill_policy", step):
+    if _fault_due(ctx, ctx.faults.kill_policy_step, step, "kill_policy"):
         ray.get(actor(ctx.trainers[-1]).arm_fault_kill.remote())  # TEST-ONLY: the last rank dies mid-step
     m = policy_call(ctx.trainers, "train_step", ref, rewards, step=step)
     m["time/train_s"] = time.perf_counter() - t0
