@@ -33,8 +33,9 @@ KEYS = ("time/step_s", "time/rollout_s", "time/train_s", "throughput/rollout_tok
 
 def base_overrides(model_dir: Path, data_dir: Path, steps: int) -> list[str]:
     """The workload: the tests' 30-step SFT model on the addition task, 16 prompts x 8 samples x <= 64 tokens
-    (the tiny recipes' batch), no validation beyond a 16-prompt start-free end check, no checkpoints. Dynamic
-    sampling off, so every layout (and an older checkout without the key) trains on every group."""
+    (the tiny recipes' batch), no validation beyond a 16-prompt end check, no checkpoints (dynamic sampling is
+    turned off per tree in ``run_layout``: every layout, and an older checkout without the key, trains on every
+    group)."""
     return [f"policy.model_name={model_dir}", f"data.train_path={data_dir / 'train.jsonl'}",
             f"data.validation_path={data_dir / 'validation.jsonl'}", f"grpo.max_num_steps={steps}",
             "grpo.val_at_start=false", "grpo.val_period=0", "grpo.max_val_samples=16", "evaluation.num_samples=0",
@@ -47,9 +48,12 @@ def run_layout(tree: Path, recipe: str, overrides: list[str], n: int, m: int, ta
     run_dir = out / tag
     uri = f"sqlite:///{out / 'mlflow.db'}"
     cmd = [sys.executable, "-m", "flows.grpo", str(tree / recipe), *overrides, f"run_dir={run_dir}",
-           f"logger.mlflow.tracking_uri={uri}", f"cluster.rollout_workers={n}"]
-    if m != 1:
-        cmd.append(f"cluster.policy_workers={m}")
+           f"logger.mlflow.tracking_uri={uri}"]
+    # the layout keys only where they differ from the default (an older checkout may not know them), and dynamic
+    # sampling off where the tree has it (older trees train on every group)
+    cmd += [f"cluster.rollout_workers={n}"] * (n != 1) + [f"cluster.policy_workers={m}"] * (m != 1)
+    if "dynamic_sampling" in (tree / "configs" / "schema.py").read_text():
+        cmd.append("grpo.dynamic_sampling=false")
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(tree), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180"}
     r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         layouts.append((n, m))
     if a.baseline_tree is not None and not (a.baseline_tree / "flows" / "grpo.py").is_file():
         p.error(f"--baseline-tree: {a.baseline_tree} is not a checkout of this project (no flows/grpo.py)")
+    import workers.quiet  # noqa: F401  third-party start-up noise off before transformers loads
     from workers.bootstrap import default_sft, ensure_default_assets
 
     # the tests' ops assets (reused when complete; the ops tests' bootstrap.sft_steps=30)
