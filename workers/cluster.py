@@ -313,11 +313,12 @@ def get_fail_fast(refs: Sequence) -> list:
     out)."""
     import ray
 
-    pending = list(refs)
+    refs = list(refs)
+    values, pending = {}, refs
     while pending:
         done, pending = ray.wait(pending, num_returns=1, fetch_local=False)
-        ray.get(done)  # raises the failure of a finished ref (its value is fetched again below)
-    return ray.get(list(refs))
+        values[done[0]] = ray.get(done[0])  # raises the failure of a finished ref at once
+    return [values[r] for r in refs]
 
 
 class WorkerLost(RuntimeError):
