@@ -85,11 +85,10 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     from workers.checkpoint import CheckpointStore
     from workers.cluster import (
         WorkerLost,
-        actor_error,
         apply_env,
         check_rollout_kv,
-        dead_actors,
         init_ray,
+        lost_trainers,
         ray_auth,
         start_workers,
         stop_workers,
@@ -218,8 +217,8 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
             rows = data.train_rows(step - 1, cfg.grpo.num_prompts_per_step)
             try:
                 m, kv_scales = rl_step(ctx, rows, step, kv_scales)
-            except Exception as e:  # a dead trainer rank: stop now with what to do, not a Ray traceback
-                lost = dead_actors(e, ctx.trainers) if actor_error(e) is not None else []
+            except Exception as e:  # a dead trainer rank (any error: probe them): stop now with what to do, no traceback
+                lost = lost_trainers(e, ctx.trainers)
                 if not lost:
                     raise
                 done = CheckpointStore(ck_uri, endpoint_url=ck_cfg.s3_endpoint_url).latest_step() if ck_uri else None

@@ -359,6 +359,42 @@ def dead_actors(err: BaseException, names: Sequence[str]) -> list[str]:
     return out
 
 
+def lost_trainers(err: BaseException, names: Sequence[str], *, timeout_s: float = 20.0) -> list[str]:
+    """The trainer ranks of ``names`` that are dead after a step failed with ``err``. An actor error names its actor
+    (:func:`dead_actors`); any other error -- e.g. rank 0's gloo "connection reset" when its peer crashed, which can
+    arrive before Ray has marked the peer dead -- is followed by a liveness probe: each rank gets a no-op call
+    (``cpu``), and a rank whose call fails with an actor error, or whose name no longer resolves, within
+    ``timeout_s`` is lost. A live rank that is busy (max_concurrency=1) does not answer in time and is not counted."""
+    import time
+
+    import ray
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    if actor_error(err) is not None:
+        return dead_actors(err, names)
+    lost, probes = [], {}
+    for n in names:
+        try:
+            probes[ray.get_actor(n, namespace=NAMESPACE).cpu.remote()] = n
+        except ValueError:
+            lost.append(n)
+    deadline = time.monotonic() + timeout_s
+    pending = list(probes)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        done, pending = ray.wait(pending, num_returns=1, timeout=left, fetch_local=False)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ActorUnavailableError:
+                pass  # restarting: not lost for good
+            except RayActorError:
+                lost.append(probes[ref])
+    return [n for n in names if n in lost]
+
+
 def await_actors(names: Sequence[str], timeout_s: float, *, poll_s: float = 0.5) -> float:
     """Wait until every actor of ``names`` answers (``stats``), e.g. an engine Ray is restarting (calls to it fail
     with ActorUnavailableError until its constructor is done: they are repeated); returns the seconds waited. Raises
