@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     # the tests' ops assets (reused when complete; the ops tests' bootstrap.sft_steps=30)
     assets = ensure_default_assets(ASSETS, task="addition", sft=default_sft("addition", seed=0, steps=30))
     model, data = Path(assets["model_dir"]), Path(assets["train"]).parent
+    a.out = a.out.resolve()  # the baseline tree's runs start in that tree: a relative --out would land there
     a.out.mkdir(parents=True, exist_ok=True)
     ov = [*base_overrides(model, data, a.steps), *a.overrides]
     rows = []
