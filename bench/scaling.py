@@ -10,9 +10,12 @@ rollout tokens/s, the driver's refit wall and the per-engine refit (mean / slowe
 shares the same 2 cores: the figures show the overheads of more workers, not a speed-up.
 
 ``--baseline-tree DIR`` also runs the 1+1 layout from another checkout of the project (e.g. the commit before the
-scale-out work), interleaved with this tree's 1+1 runs (A B A B ... ``--repeats`` times, so drifting machine load
-hits both alike), and prints this tree's 1+1 step time over the baseline's (the issue's "<= 5% growth" check).
-Overrides after the options apply to every run (``key=value``).
+scale-out work), interleaved with this tree's 1+1 runs in ABBA order (baseline, head, head, baseline, ...
+``--repeats`` pairs), and prints this tree's 1+1 step time over the baseline's (the issue's "<= 5% growth" check):
+the ratio of the medians, and a drift-corrected ratio with its 95% interval (least squares on log step time with a
+run-order trend and a head/baseline term: on these machines step times drifted ~3% per run, which an A B A B order
+would charge to whichever tree runs second). A layout whose flow fails is reported as a failed row (its error
+printed), and the bench goes on with the next one. Overrides after the options apply to every run (``key=value``).
 """
 from __future__ import annotations
 
@@ -80,6 +83,9 @@ def table(rows: list[dict]) -> str:
     lines = ["| engines + trainers | step s | rollout s | rollout tokens/s | refit s (driver) | refit per engine s "
              "(mean / slowest) | train s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("failed"):
+            lines.append(f"| {r['layout']} | failed: {r['failed']} | | | | | |")
+            continue
         lines.append(f"| {r['layout']} | {_fmt(r['time/step_s'])} | {_fmt(r['time/rollout_s'])} | "
                      f"{_fmt(r['throughput/rollout_tokens_per_s'], '.0f')} | {_fmt(r['time/refit_s'])} | "
                      f"{_fmt(r['time/refit_engine_mean_s'])} / {_fmt(r['time/refit_engine_s'])} | "
@@ -119,22 +125,56 @@ def main(argv: list[str] | None = None) -> int:
     ov = [*base_overrides(model, data, a.steps), *a.overrides]
     rows = []
     for n, m in layouts:
-        rows.append(run_layout(ROOT, a.recipe, ov, n, m, f"{n}+{m}", a.out))
+        try:
+            rows.append(run_layout(ROOT, a.recipe, ov, n, m, f"{n}+{m}", a.out))
+        except RuntimeError as e:  # one failed layout does not lose the others
+            print(f"layout {n}+{m} failed: {e}", flush=True)
+            rows.append({"layout": f"{n}+{m}", "failed": str(e).splitlines()[0][:200]})
         print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     if a.baseline_tree is not None:
-        pairs = []
+        runs = []  # (is_head, step_s) in run order
         for i in range(a.repeats):
-            base = run_layout(a.baseline_tree.resolve(), a.recipe, ov, 1, 1, f"baseline-{i}", a.out)
-            head = run_layout(ROOT, a.recipe, ov, 1, 1, f"head-{i}", a.out)
-            pairs.append((head["time/step_s"], base["time/step_s"]))
-            print(json.dumps({"repeat": i, "head_step_s": head["time/step_s"], "baseline_step_s": base["time/step_s"]}),
-                  flush=True)
-        ratio = statistics.median(h for h, _ in pairs) / statistics.median(b for _, b in pairs)
-        print(f"1+1 step time, this tree / baseline ({a.baseline_tree}): {ratio:.3f} "
-              f"(medians over {a.repeats} interleaved pairs: {[round(h, 2) for h, _ in pairs]} vs "
-              f"{[round(b, 2) for _, b in pairs]})")
+            for kind in pair_order(i):
+                tree = ROOT if kind == "head" else a.baseline_tree.resolve()
+                r = run_layout(tree, a.recipe, ov, 1, 1, f"{kind}-{i}", a.out)
+                runs.append((kind == "head", r["time/step_s"]))
+                print(json.dumps({"repeat": i, "tree": kind, "step_s": r["time/step_s"]}), flush=True)
+        head = [v for h, v in runs if h]
+        base = [v for h, v in runs if not h]
+        ratio = statistics.median(head) / statistics.median(base)
+        line = (f"1+1 step time, this tree / baseline ({a.baseline_tree}): {ratio:.3f} (medians over {a.repeats} "
+                f"ABBA pairs, run order {[('H' if h else 'B') + format(v, '.2f') for h, v in runs]})")
+        if len(runs) >= 4:
+            est, lo, hi = drift_corrected_ratio(runs)
+            line += f"; drift-corrected {est:.3f} [{lo:.3f}, {hi:.3f}] (95%)"
+        print(line)
     return 0
+
+
+def pair_order(i: int) -> tuple[str, str]:
+    """Pair ``i`` of the baseline comparison: baseline first in even pairs, head first in odd ones (ABBA)."""
+    return ("baseline", "head") if i % 2 == 0 else ("head", "baseline")
+
+
+def drift_corrected_ratio(runs: list[tuple[bool, float]]) -> tuple[float, float, float]:
+    """Head / baseline step-time ratio from runs in order (``(is_head, step_s)``): least squares of log(step_s) on
+    an intercept, the run index (a linear drift of the machine) and a head indicator; the ratio is exp of the head
+    coefficient, with a 95% t interval. Needs both trees and at least 4 runs."""
+    import numpy as np
+    from scipy.stats import t as student_t
+
+    is_head = np.array([float(h) for h, _ in runs])
+    if len(runs) < 4 or is_head.min() == is_head.max():
+        raise ValueError("drift_corrected_ratio needs >= 4 runs of both trees")
+    y = np.log(np.array([v for _, v in runs], dtype=float))
+    x = np.c_[np.ones(len(runs)), np.arange(len(runs), dtype=float), is_head]
+    beta, *_ = np.linalg.lstsq(x, y, rcond=None)
+    resid = y - x @ beta
+    dof = len(runs) - 3
+    se = float(np.sqrt((resid @ resid) / dof * np.linalg.inv(x.T @ x)[2, 2]))
+    q = float(student_t.ppf(0.975, dof))
+    return float(np.exp(beta[2])), float(np.exp(beta[2] - q * se)), float(np.exp(beta[2] + q * se))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """bench/scaling.py: the layout table and the argument checks (the runs themselves are real flow runs, README)."""
 import pytest
 
-from bench.scaling import main, table
+from bench.scaling import drift_corrected_ratio, main, pair_order, table
 
 
 def test_table_rows_and_missing_values():
@@ -19,3 +19,24 @@ def test_bad_arguments_fail_before_any_run(args, msg, capsys):
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_failed_layout_row():
+    t = table([{"layout": "2+2", "failed": "2+2: flow failed (rc 1)"}]).splitlines()
+    assert t[2] == "| 2+2 | failed: 2+2: flow failed (rc 1) | | | | | |"
+
+
+def test_pairs_alternate_abba():
+    assert [k for i in range(3) for k in pair_order(i)] == ["baseline", "head", "head", "baseline", "baseline", "head"]
+
+
+def test_drift_corrected_ratio_removes_a_linear_drift():
+    # a machine that gets 3% slower per run, head truly 2% slower than baseline, ABBA order
+    order = [k for i in range(3) for k in pair_order(i)]
+    runs = [(k == "head", 10.0 * 1.03 ** j * (1.02 if k == "head" else 1.0)) for j, k in enumerate(order)]
+    est, lo, hi = drift_corrected_ratio(runs)
+    assert est == pytest.approx(1.02, rel=1e-9) and lo <= est <= hi
+    naive = (sum(v for h, v in runs if h) / 3) / (sum(v for h, v in runs if not h) / 3)
+    assert abs(naive - 1.02) > 1e-3  # the plain ratio is biased by the drift, the fit is not
+    with pytest.raises(ValueError, match=">= 4 runs"):
+        drift_corrected_ratio(runs[:3])
