@@ -17,10 +17,12 @@ The build targets the CPU kind of :mod:`fp8core.cpu` (``-mavx2 -mfma``, plus ``-
 build, and the build directory is keyed by kind + source hash + torch version: a cache shared between machines never
 loads code for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno`` and without ``-ffast-math``
 (which would change the rounding). Build directory: :func:`build_root`. The first build takes ~30 s on a 2-core
-machine; later loads, in any process, ~0.1 s.
+machine; later loads, in any process, ~0.1 s. A builder killed mid-load (torch keeps a ``lock`` file while it
+loads, even with nothing to rebuild) no longer makes later processes wait forever: see :func:`_build_lock`.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -38,7 +40,7 @@ _log = logging.getLogger("fp8core.kernels")
 _lock = threading.Lock()
 _state: dict = {}
 
-__all__ = ["ENV", "MODES", "build_root", "describe", "load", "quantize_tiles"]
+__all__ = ["ENV", "MODES", "build_dir", "build_root", "describe", "load", "quantize_tiles"]
 
 
 def _mode() -> str:
@@ -84,18 +86,48 @@ def load():
         return module
 
 
+def build_dir() -> Path:
+    """This process's build directory: :func:`build_root` / ``fp8core_qdq_<kind>_<hash of source, flags, torch>``."""
+    kind, flags = _isa_flags()
+    tag = hashlib.sha256((_SRC.read_text() + kind + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    return build_root() / f"fp8core_qdq_{kind}_{tag}"
+
+
 def _build():
     from torch.utils.cpp_extension import load as load_ext
 
     kind, flags = _isa_flags()
-    src = _SRC.read_text()
-    tag = hashlib.sha256((src + kind + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
-    name = f"fp8core_qdq_{kind}_{tag}"
-    build_dir = build_root() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    mod = load_ext(name=name, sources=[str(_SRC)], extra_cflags=["-O3", "-fno-math-errno", *flags],
-                   build_directory=str(build_dir), verbose=False)
+    bdir = build_dir()
+    name = bdir.name
+    bdir.mkdir(parents=True, exist_ok=True)
+    with _build_lock(bdir):
+        mod = load_ext(name=name, sources=[str(_SRC)], extra_cflags=["-O3", "-fno-math-errno", *flags],
+                       build_directory=str(bdir), verbose=False)
     return mod, f"{kind} build {' '.join(flags) or '(generic x86-64)'}"
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """One builder at a time per build directory, by an ``flock`` that the kernel releases when its holder dies.
+    torch's own lock (a ``lock`` file its FileBaton creates and deletes) survives a builder that was SIGKILLed (a
+    killed run, a worker fault) and makes every later process wait for it forever, silently. Holding the flock,
+    no other builder of this directory is alive, so a ``lock`` file found then is stale and is removed."""
+    import fcntl
+
+    with open(build_dir / ".fp8core-build.flock", "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log.info("fp8core quantize-dequantize: waiting for another process building %s", build_dir)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                _log.warning("fp8core quantize-dequantize: removing a stale build lock %s (its builder died)", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def build_root() -> Path:
