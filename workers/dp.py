@@ -135,6 +135,10 @@ def unsharded(model: nn.Module, group: DPGroup) -> Iterator[None]:
             cache = getattr(m, "weight_cache", None)
             if cache is not None:
                 cache.clear()
+        # other caches of rounded full weights (the BF16 emulation's, keyed by pointer + version): the next
+        # all-gather refills the same storage without bumping the version, so a stale copy would be reused
+        for cache in getattr(model, "reshard_caches", ()):
+            cache.clear()
 
 
 @contextlib.contextmanager

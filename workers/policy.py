@@ -230,6 +230,8 @@ class PolicyWorker:
 
             init_group(self.dp, self.device)
             shard_model(self.model, self.device)
+            if self.bf16_emulation is not None:  # its rounded weights go stale at every reshard (workers/dp.py)
+                self.model.reshard_caches = (self.bf16_emulation.weights,)
         o = p.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
