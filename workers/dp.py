@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 __all__ = ["DPGroup", "free_endpoint", "init_group", "shard_model", "fsdp_modules", "unsharded",
-           "local_accumulation", "all_sum", "all_min", "gather_objects", "full_tensor"]
+           "local_accumulation", "all_sum", "all_min", "gather_objects", "full_tensor", "share_batches",
+           "clip_grad_norm"]
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,51 @@ def gather_objects(obj, group: DPGroup) -> list:
     out = [None] * group.world
     dist.all_gather_object(out, obj)
     return out
+
+
+def share_batches(lengths: torch.Tensor, batch_size: int, group: DPGroup) -> torch.Tensor:
+    """Positions (into ``lengths``) of the rows this rank computes in a no-grad pass that batches rows longest-first:
+    the single worker's batches -- rows sorted by length (descending, stable), then chunks of ``batch_size`` -- a
+    contiguous share of whole batches per rank, listed in that sorted order (so the rank's own longest-first batching
+    of them rebuilds exactly those batches). Each batch then holds the same rows as with one worker, and its
+    numerics -- GEMM blocking over the batch's rows, trimming to its longest row, BF16 rounding of every output --
+    do not depend on the world size. (A share of rows, batched per rank, regroups them: on an AVX2 CPU with emulated
+    BF16 that moved old logprobs by BF16 ulps and the second update's gradients of 2 ranks by 2e-3 relative.)"""
+    order = torch.argsort(lengths, descending=True, stable=True)
+    if not group.active:
+        return order
+    batches = torch.split(order, max(int(batch_size), 1))
+    mine = group.share(torch.arange(len(batches))).tolist()
+    return torch.cat([batches[i] for i in mine]) if mine else order[:0]
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters, max_norm: float, group: DPGroup) -> float:
+    """Scale the gradients to a total L2 norm of at most ``max_norm`` (as torch's ``clip_grad_norm_``: coefficient
+    ``max_norm / (norm + 1e-6)`` when below 1) and return the norm before clipping -- inf or nan when a gradient is
+    not finite (the gradients are then left as they are; the caller skips the update).
+
+    The norm is accumulated in float64 over this rank's shard of every gradient, then summed over ranks. torch's own
+    norm is FP32 (on CPU a plain FP32 accumulation: 1e-5 relative off on a 3M-parameter model) and depends on how
+    the tensors are sharded, so M ranks would clip by, and log, another norm than one worker."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    local, sq = [], None
+    for g in grads:
+        t = g.to_local() if hasattr(g, "to_local") else g
+        local.append(t)
+        part = torch.linalg.vector_norm(t, dtype=torch.float64).square()
+        if hasattr(g, "placements") and not all(p.is_shard() for p in g.placements) and group.rank != 0:
+            part = part * 0  # a replicated gradient: every rank holds all of it, count it once
+        sq = part if sq is None else sq + part
+    all_sum(sq, group=group)
+    norm = float(sq.sqrt())
+    if norm == norm and norm != float("inf"):  # finite
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_(local, coef)
+    return norm
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,8 @@ from pathlib import Path
 import torch
 
 from configs.schema import Config
-from workers.dp import DPGroup, all_min, full_tensor, gather_objects, local_accumulation, unsharded
+from workers.dp import (DPGroup, all_min, clip_grad_norm, full_tensor, gather_objects, local_accumulation,
+                        share_batches, unsharded)
 from workers.dp import all_sum as dp_sum
 
 
@@ -387,12 +388,12 @@ class PolicyWorker:
         """No-grad logprobs (FP32) and entropies (FP64) ``[B, L]`` of ``b`` (of ``b.slice(rows)`` when given). Rows
         are batched longest-first and each batch is trimmed to its own longest sequence (less padding); results come
         back in the input order, zero beyond each batch's width. Data-parallel (a collective: every rank calls it
-        with the same arguments): each rank computes a share of the rows on its gathered weights, the sum over
-        ranks assembles them on every rank."""
+        with the same arguments): each rank computes a share of the single worker's batches (whole batches:
+        workers.dp.share_batches) on its gathered weights, the sum over ranks assembles them on every rank."""
         if not self.dp.active:
             return self._local_logprobs(b, want_entropy=want_entropy, rows=rows)
         rows = torch.arange(len(b)) if rows is None else rows
-        mine = self.dp.share(torch.arange(len(rows)))
+        mine = share_batches(b.attn[rows].sum(1), self.cfg.policy.logprob_batch_size, self.dp)
         lp = torch.zeros(len(rows), b.width)
         ent = torch.zeros(len(rows), b.width, dtype=torch.float64) if want_entropy else None
         with unsharded(self.model, self.dp):
@@ -572,8 +573,8 @@ class PolicyWorker:
                 self.recorded_updates = [*(self.recorded_updates if u else []), grads]
                 self.recorded_gradients = self.recorded_updates[0]
             t_opt0 = time.perf_counter()
-            gn = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.policy.max_grad_norm))
-            if finite and torch.isfinite(gn):
+            gn = clip_grad_norm(self.model.parameters(), cfg.policy.max_grad_norm, self.dp)
+            if finite and math.isfinite(gn):
                 self.optimizer.step()
                 updates += 1
                 grad_norms.append(float(gn))
