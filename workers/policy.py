@@ -54,8 +54,16 @@ from pathlib import Path
 import torch
 
 from configs.schema import Config
-from workers.dp import (DPGroup, all_min, clip_grad_norm, full_tensor, gather_objects, local_accumulation,
-                        share_batches, unsharded)
+from workers.dp import (
+    DPGroup,
+    all_min,
+    clip_grad_norm,
+    full_tensor,
+    gather_objects,
+    local_accumulation,
+    share_batches,
+    unsharded,
+)
 from workers.dp import all_sum as dp_sum
 
 

@@ -30,7 +30,7 @@ def test_an_error_raised_while_a_stop_signal_was_handled_is_a_cancel():
         try:
             raise TerminationSignal(15)
         except TerminationSignal:
-            raise RuntimeError("ray.get interrupted")  # implicit __context__
+            raise RuntimeError("ray.get interrupted")  # noqa: B904 - the implicit __context__ is what is tested
 
     def explicit():
         try:

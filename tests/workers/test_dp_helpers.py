@@ -57,7 +57,7 @@ def test_clip_matches_torch_and_its_norm_is_float64(scale):
     theirs = float(torch.nn.utils.clip_grad_norm_(b.parameters(), 1.0))
     assert ours == pytest.approx(exact, rel=1e-12)
     assert theirs == pytest.approx(exact, rel=1e-5)
-    for p, q in zip(a.parameters(), b.parameters()):
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=0)
     total_after = math.sqrt(sum(float(p.grad.double().square().sum()) for p in a.parameters()))
     assert total_after == pytest.approx(min(exact, 1.0), rel=1e-5)
@@ -68,7 +68,7 @@ def test_non_finite_gradients_are_reported_and_left_alone():
     m[0].weight.grad[0, 0] = float("nan")
     before = [p.grad.clone() for p in m.parameters()]
     assert math.isnan(clip_grad_norm(m.parameters(), 1.0, DPGroup()))
-    for x, p in zip(before, m.parameters()):
+    for x, p in zip(before, m.parameters(), strict=True):
         torch.testing.assert_close(p.grad, x, rtol=0, atol=0, equal_nan=True)
     m[0].weight.grad[0, 0] = float("inf")
     assert clip_grad_norm(m.parameters(), 1.0, DPGroup()) == float("inf")

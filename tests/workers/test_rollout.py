@@ -287,8 +287,8 @@ def test_rollout_refuses_an_engine_that_missed_the_refit(worker, checkpoint, pro
                                                                                        seed=11 + 1 * 2)]
     split = RolloutWorker.gather(*parts)
     assert _without_logprobs(split) == _without_logprobs(whole)
-    for a, b in zip(split, whole):
-        for sa, sb in zip(a["samples"], b["samples"]):
+    for a, b in zip(split, whole, strict=True):
+        for sa, sb in zip(a["samples"], b["samples"], strict=True):
             assert sa["logprobs"] == pytest.approx(sb["logprobs"], abs=2e-2)
     worker.refit(checkpoint)  # back to an unversioned load for the other tests
     assert worker.stats()["weights_version"] is None
