@@ -26,6 +26,7 @@ fi
 export PREFECT_HOME="${PREFECT_HOME:-$PWD/runs/.prefect}"
 export PREFECT_SERVER_MEMO_STORE_PATH="${PREFECT_SERVER_MEMO_STORE_PATH:-$PREFECT_HOME/memo_store.toml}"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 MLFLOW_DISABLE_TELEMETRY=true
+mkdir -p "$PREFECT_HOME"  # Prefect creates its home without parents: on a fresh clone (no runs/) it warned at import
 
 # Validate the recipe + overrides first (a typo fails here, naming its dotted key) and learn the run dir.
 RUN_DIR=$("$PY" - "$RECIPE" "$@" <<'PY'
