@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,8 +38,8 @@ import torch
 from torch import nn
 
 __all__ = ["DPGroup", "free_endpoint", "init_group", "shard_model", "fsdp_modules", "unsharded",
-           "local_accumulation", "all_sum", "all_min", "gather_objects", "full_tensor", "share_batches",
-           "clip_grad_norm"]
+           "local_accumulation", "all_sum", "all_min", "gather_objects", "full_tensor", "longest_first_batches",
+           "share_batches", "clip_grad_norm"]
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,13 @@ def gather_objects(obj, group: DPGroup) -> list:
     return out
 
 
+def longest_first_batches(lengths: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """The no-grad passes' batching rule (PolicyWorker._local_logprobs): positions sorted by length, descending and
+    stable, in chunks of ``batch_size``."""
+    order = torch.argsort(lengths, descending=True, stable=True)
+    return list(torch.split(order, max(int(batch_size), 1))) if len(order) else []  # split() of nothing: [empty]
+
+
 def share_batches(lengths: torch.Tensor, batch_size: int, group: DPGroup) -> torch.Tensor:
     """Positions (into ``lengths``) of the rows this rank computes in a no-grad pass that batches rows longest-first:
     the single worker's batches -- rows sorted by length (descending, stable), then chunks of ``batch_size`` -- a
@@ -215,12 +223,9 @@ def share_batches(lengths: torch.Tensor, batch_size: int, group: DPGroup) -> tor
     numerics -- GEMM blocking over the batch's rows, trimming to its longest row, BF16 rounding of every output --
     do not depend on the world size. (A share of rows, batched per rank, regroups them: on an AVX2 CPU with emulated
     BF16 that moved old logprobs by BF16 ulps and the second update's gradients of 2 ranks by 2e-3 relative.)"""
-    order = torch.argsort(lengths, descending=True, stable=True)
-    if not group.active:
-        return order
-    batches = torch.split(order, max(int(batch_size), 1))
+    batches = longest_first_batches(lengths, batch_size)
     mine = group.share(torch.arange(len(batches))).tolist()
-    return torch.cat([batches[i] for i in mine]) if mine else order[:0]
+    return torch.cat([batches[i] for i in mine]) if mine else lengths.new_zeros(0, dtype=torch.long)
 
 
 @torch.no_grad()
@@ -245,7 +250,7 @@ def clip_grad_norm(parameters, max_norm: float, group: DPGroup) -> float:
         sq = part if sq is None else sq + part
     all_sum(sq, group=group)
     norm = float(sq.sqrt())
-    if norm == norm and norm != float("inf"):  # finite
+    if math.isfinite(norm):
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             torch._foreach_mul_(local, coef)

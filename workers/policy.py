@@ -61,6 +61,7 @@ from workers.dp import (
     full_tensor,
     gather_objects,
     local_accumulation,
+    longest_first_batches,
     share_batches,
     unsharded,
 )
@@ -419,10 +420,7 @@ class PolicyWorker:
         self.model.eval()
         sub = b if rows is None else b.slice(rows)
         lp_all = ent_all = None
-        order = torch.argsort(sub.attn.sum(1), descending=True, stable=True)
-        bs = self.cfg.policy.logprob_batch_size
-        for i in range(0, len(sub), bs):
-            idx = order[i: i + bs]
+        for idx in longest_first_batches(sub.attn.sum(1), self.cfg.policy.logprob_batch_size):
             lp, ent = self._token_logp(sub.slice(idx).trimmed(), want_entropy=want_entropy)
             if lp_all is None:
                 lp_all = torch.zeros(len(sub), sub.width, dtype=lp.dtype)
@@ -585,7 +583,7 @@ class PolicyWorker:
             if finite and math.isfinite(gn):
                 self.optimizer.step()
                 updates += 1
-                grad_norms.append(float(gn))
+                grad_norms.append(gn)
             else:
                 self.skipped_updates += 1
             self.optimizer.zero_grad(set_to_none=True)

@@ -28,6 +28,14 @@ def test_ranks_rebuild_exactly_the_single_workers_batches(n, bs, world):
     assert ranks == single  # the same batches, each on one rank, in order
 
 
+def test_no_rows_make_no_batches():
+    from workers.dp import longest_first_batches
+
+    assert longest_first_batches(torch.zeros(0, dtype=torch.long), 4) == []
+    for world in (1, 2):
+        assert share_batches(torch.zeros(0, dtype=torch.long), 4, DPGroup(rank=0, world=world)).numel() == 0
+
+
 def test_a_plain_share_of_rows_would_regroup_them():
     """What the no-grad passes did before: each rank batched its contiguous share of the rows."""
     lengths, bs, world = torch.tensor([2, 5, 3, 4]), 2, 2
