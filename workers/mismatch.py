@@ -118,7 +118,7 @@ def flatten_results(results: list[dict]) -> tuple[list[list[int]], list[list[int
 
 
 def mismatch(train_lps: list[torch.Tensor], rollout_lps: list[list[float]]) -> dict[str, float]:
-    """fp8core.rl.metrics.mismatch_metrics over padded [B, T] tensors (+ max |d| and the token count)."""
+    """fp8core.rl.metrics.mismatch_metrics over padded [B, T] tensors (+ the token count)."""
     from fp8core.rl.metrics import mismatch_metrics
 
     width = max(len(x) for x in rollout_lps)
@@ -130,7 +130,6 @@ def mismatch(train_lps: list[torch.Tensor], rollout_lps: list[list[float]]) -> d
         ro[i, :len(r)] = torch.tensor(r, dtype=torch.float64)
         mask[i, :len(r)] = 1
     m = mismatch_metrics(tr, ro, mask)
-    m["mismatch/max_abs_logp_diff"] = float(((tr - ro).abs() * mask).max())
     m["tokens"] = int(mask.sum())
     return m
 

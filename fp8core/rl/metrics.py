@@ -16,6 +16,13 @@ mismatch_metrics(train_logp, rollout_logp, mask)
     ``mismatch/js``                     mean f(rho), f(rho) = 0.5 [rho log rho - (1 + rho) log((1 + rho) / 2)]: the
                                         Jensen-Shannon divergence as an f-divergence estimated with rollout samples
                                         (f convex, f(1) = f'(1) = 0, so every term is >= 0; bounded by log 2 in expectation)
+    ``mismatch/max_abs_logp_diff``      max |d| over valid tokens
+    ``mismatch/frac_abs_logp_diff_gt_1``  fraction of valid tokens with |d| > 1 (a probability off by more than e-fold)
+    ``mismatch/excess_share_abs_logp_diff_gt_1``  sum over those tokens of (exp(|d|) - 1) / sum over all valid tokens of
+                                        (exp(|d|) - 1): the share of ``token_mult_prob_error - 1`` they carry (0 when
+                                        there is no mismatch). exp(|d|) is heavy-tailed: one token with |d| = 9 among
+                                        2,000 adds 4 to the mean, so a spike of the mean with a share near 1 and a tiny
+                                        fraction is a handful of tokens, not a shift of the whole distribution.
 is_metrics(weights, ratio, mask)
     ``is/weight_mean``, ``is/weight_max`` over valid tokens; ``is/frac_truncated`` = fraction of valid tokens whose weight
     differs from the raw ratio ``pi_old / pi_rollout`` (clamped, zeroed or masked).
@@ -88,11 +95,17 @@ def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
     k3_tr = torch.exp(-d) - 1.0 + d
     # rho*log(rho) - (1+rho)*log((1+rho)/2) with log(1+rho) = softplus(d)
     js = 0.5 * (rho * d - (1.0 + rho) * (torch.nn.functional.softplus(d) - math.log(2.0)))
+    excess = torch.where(valid, torch.expm1(d.abs()), torch.zeros_like(d))
+    big = valid & (d.abs() > 1.0)
+    total_excess = float(excess.sum())
     return {
         "mismatch/token_mult_prob_error": float(masked_mean(torch.exp(d.abs()), mask)),
         "mismatch/kl_k3_train_rollout": float(masked_mean(k3_tr, mask)),
         "mismatch/kl_k3_rollout_train": float(masked_mean(k3_rt, mask)),
         "mismatch/js": float(masked_mean(js.clamp_min(0.0), mask)),
+        "mismatch/max_abs_logp_diff": float(d.abs()[valid].max()) if bool(valid.any()) else 0.0,
+        "mismatch/frac_abs_logp_diff_gt_1": _frac(big, valid),
+        "mismatch/excess_share_abs_logp_diff_gt_1": float(excess[big].sum()) / total_excess if total_excess > 0 else 0.0,
     }
 
 

@@ -33,7 +33,8 @@ def test_mismatch_worked_example():
     assert all(isinstance(v, float) for v in m.values())
     none = mismatch_metrics(train, train, mask)
     assert none == {"mismatch/token_mult_prob_error": 1.0, "mismatch/kl_k3_train_rollout": 0.0,
-                    "mismatch/kl_k3_rollout_train": 0.0, "mismatch/js": 0.0}
+                    "mismatch/kl_k3_rollout_train": 0.0, "mismatch/js": 0.0, "mismatch/max_abs_logp_diff": 0.0,
+                    "mismatch/frac_abs_logp_diff_gt_1": 0.0, "mismatch/excess_share_abs_logp_diff_gt_1": 0.0}
 
 
 def test_estimators_match_exact_divergences_in_expectation():
@@ -122,6 +123,11 @@ def test_mismatch_and_clip_match_loop_reference(seed):
     assert m["mismatch/kl_k3_train_rollout"] == pytest.approx(mean([math.exp(-x) - 1 + x for x in d]), rel=1e-12)
     js = [0.5 * (math.exp(x) * x - (1 + math.exp(x)) * math.log((1 + math.exp(x)) / 2)) for x in d]
     assert m["mismatch/js"] == pytest.approx(mean(js), rel=1e-9)
+    assert m["mismatch/max_abs_logp_diff"] == pytest.approx(max(abs(x) for x in d), rel=1e-12)
+    big = [x for x in d if abs(x) > 1.0]
+    assert m["mismatch/frac_abs_logp_diff_gt_1"] == pytest.approx(len(big) / len(d), rel=1e-12)
+    share = sum(math.exp(abs(x)) - 1 for x in big) / sum(math.exp(abs(x)) - 1 for x in d)
+    assert m["mismatch/excess_share_abs_logp_diff_gt_1"] == pytest.approx(share, rel=1e-12)
     c = clip_metrics(ratio, adv, mask, clip_low=0.8, clip_high=1.2)
     neg = [(i, t) for i, t in toks if adv[i] < 0]
     pos = [(i, t) for i, t in toks if adv[i] > 0]
@@ -159,3 +165,20 @@ def test_pool_clip_metrics_worked_example():
     assert every["clip/upper_pos_adv_frac"] == pytest.approx(1 / 4)
     assert every["clip/ratio_mean"] == pytest.approx(10.5 / 11)
     assert all(v == 0.0 for v in pool_clip_metrics([]).values())
+
+
+def test_mismatch_tail_metrics_single_outlier_token():
+    """One token off by 9 nats among 2,000 exact ones: the mean rises by ~4, and the tail metrics say it is one token."""
+    train = torch.zeros(1, 2000, dtype=torch.float64)
+    roll = train.clone()
+    roll[0, 7] = 9.0  # the rollout gave this token e^9 times the trainer's probability
+    mask = torch.ones_like(train)
+    m = mismatch_metrics(train, roll, mask)
+    assert m["mismatch/token_mult_prob_error"] == pytest.approx(1 + math.expm1(9.0) / 2000, rel=1e-12)
+    assert m["mismatch/max_abs_logp_diff"] == 9.0
+    assert m["mismatch/frac_abs_logp_diff_gt_1"] == pytest.approx(1 / 2000)
+    assert m["mismatch/excess_share_abs_logp_diff_gt_1"] == 1.0
+    mask[0, 7] = 0.0  # masked out: no mismatch left at all
+    m = mismatch_metrics(train, roll, mask)
+    assert m["mismatch/token_mult_prob_error"] == 1.0 and m["mismatch/max_abs_logp_diff"] == 0.0
+    assert m["mismatch/excess_share_abs_logp_diff_gt_1"] == 0.0
