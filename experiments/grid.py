@@ -293,19 +293,21 @@ def fmt_ci(e: dict, *, scale: float = 1.0, digits: int = 3, signed: bool = False
 # -- plots -------------------------------------------------------------------------------------------------------------
 
 
-def plot_curves(path: Path, title: str, panels: Sequence[tuple[str, dict[str, dict[int, tuple[float, float, float]]]]],
-                ) -> Path:
-    """One PNG with a panel per ``(y label, {arm label: {step: (mean, lo, hi)}})``; a band where lo/hi are finite."""
+def plot_curves(path: Path, title: str, panels: Sequence[tuple], ) -> Path:
+    """One PNG with a panel per ``(y label, {arm label: {step: (mean, lo, hi)}}[, {"yscale": "log"}])``; a band where
+    lo/hi are finite."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(dict.fromkeys(label for _, series in panels for label in series))
+    labels = list(dict.fromkeys(label for panel in panels for label in panel[1]))
     cmap = plt.get_cmap("tab10")
     color = {label: cmap(i % 10) for i, label in enumerate(labels)}  # an arm keeps its colour in every panel
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
-    for ax, (ylabel, series) in zip(axes[0], panels, strict=True):
+    for ax, (ylabel, series, *opts) in zip(axes[0], panels, strict=True):
+        if opts and opts[0].get("yscale"):
+            ax.set_yscale(opts[0]["yscale"])
         for label, pts in series.items():
             steps = sorted(pts)
             if not steps:
@@ -400,14 +402,22 @@ def metric_summary(a: ArmRuns, key: str, *, reduce: Callable[[Sequence[float]], 
     return seed_t_interval([reduce(list(h.values())) if h else float("nan") for h in a.hist[key]])
 
 
-def metric_curve(a: ArmRuns, key: str) -> dict[int, tuple[float, float, float]]:
-    """{step: (mean over seeds, lo, hi)} of metric ``key`` (t interval over seeds; nan bounds with one seed), at the
-    steps every seed logged."""
+def metric_curve(a: ArmRuns, key: str, *, band: str = "t", shift: float = 0.0) -> dict[int, tuple[float, float, float]]:
+    """{step: (mean over seeds, lo, hi)} of metric ``key`` minus ``shift``, at the steps every seed logged. ``band``:
+    ``"t"`` a 95% t interval over seeds, ``"range"`` the seeds' min and max (a figure's band: with 2-3 seeds a t
+    interval is 4-13 standard errors wide); nan bounds with one seed."""
+    if band not in ("t", "range"):
+        raise ValueError(f"band must be 't' or 'range', got {band!r}")
     steps = sorted(set.intersection(*(set(h) for h in a.hist[key]))) if a.hist[key] else []
     out = {}
     for st in steps:
-        e = seed_t_interval([h[st] for h in a.hist[key]])
-        out[st] = (e["value"], e["lo"], e["hi"])
+        vals = [h[st] - shift for h in a.hist[key]]
+        if band == "t":
+            e = seed_t_interval(vals)
+            out[st] = (e["value"], e["lo"], e["hi"])
+        else:
+            lo, hi = (min(vals), max(vals)) if len(vals) > 1 else (math.nan, math.nan)
+            out[st] = (sum(vals) / len(vals), lo, hi)
     return out
 
 

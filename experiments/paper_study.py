@@ -266,22 +266,27 @@ def plots(runs: list[ArmRuns], rs: list[dict], ablation: dict[int, str], plot_di
     abl_only = ablation_only(ablation)
     main = [a for a in runs if a.arm.name not in abl_only]
     acc = {r["label"]: as_points(r["curve"]) for r in rs if r["arm"] not in abl_only}
-    figs = [plot_curves(plot_dir / "paper_study.png", "BF16 vs FP8 vs FP8 + Calibrated Clipping (mean of seeds, 95% CI)",
-                        [("clip/lower_neg_adv_frac", {a.arm.label: metric_curve(a, "clip/lower_neg_adv_frac")
-                                                      for a in main}),
-                         ("policy/entropy", {a.arm.label: metric_curve(a, "policy/entropy") for a in main}),
+    def curve(a: ArmRuns, key: str):
+        return metric_curve(a, key, band="range")
+
+    figs = [plot_curves(plot_dir / "paper_study.png",
+                        "BF16 vs FP8 vs FP8 + Calibrated Clipping (mean of seeds; accuracy band: 95% CI over prompts, "
+                        "other bands: range over seeds)",
+                        [("clip/lower_neg_adv_frac", {a.arm.label: curve(a, "clip/lower_neg_adv_frac") for a in main}),
+                         ("policy/entropy", {a.arm.label: curve(a, "policy/entropy") for a in main}),
                          ("validation accuracy", acc),
                          ("calib/ratio_error_amplification",
-                          {a.arm.label: metric_curve(a, "calib/ratio_error_amplification") for a in main
+                          {a.arm.label: curve(a, "calib/ratio_error_amplification") for a in main
                            if any(a.hist["calib/ratio_error_amplification"])})])]
     abl = [a for a in runs if a.arm.name in ablation.values()]
     if abl:
-        figs.append(plot_curves(plot_dir / "paper_study_intervals.png", "Calibration interval K (mean of seeds)",
-                                [("clip bound L", {a.arm.label: metric_curve(a, "clip/bound_low") for a in abl}),
-                                 ("clip/lower_neg_adv_frac", {a.arm.label: metric_curve(a, "clip/lower_neg_adv_frac")
-                                                              for a in abl}),
+        figs.append(plot_curves(plot_dir / "paper_study_intervals.png",
+                                "Calibration interval K (mean of seeds, band: range over seeds)",
+                                [("clip bound L", {a.arm.label: curve(a, "clip/bound_low") for a in abl}),
+                                 ("clip/lower_neg_adv_frac",
+                                  {a.arm.label: curve(a, "clip/lower_neg_adv_frac") for a in abl}),
                                  ("shadow pass time per step (s)",
-                                  {a.arm.label: metric_curve(a, "time/clip_calibration_s") for a in abl})]))
+                                  {a.arm.label: curve(a, "time/clip_calibration_s") for a in abl})]))
     return figs
 
 

@@ -70,6 +70,22 @@ def test_seed_statistics():
     assert m["value"] == pytest.approx(0.375) and m["lo"] <= 0.375 <= m["hi"] and m["n"] == 8 and m["lo"] < m["hi"]
 
 
+def test_metric_curve_bands_and_shift():
+    from experiments.grid import ArmRuns, metric_curve
+
+    a = ArmRuns(Arm("x", "configs/tiny_bf16.yaml"), [0, 1, 2], ["r0", "r1", "r2"], [{}, {}, {}],
+                {"m": [{1: 1.01, 2: 1.0}, {1: 1.03, 2: 1.0}, {1: 1.02}]}, {})
+    t = metric_curve(a, "m")  # step 2 is missing in seed 2: only step 1 is a curve point
+    assert list(t) == [1] and t[1][0] == pytest.approx(1.02) and t[1][1] == pytest.approx(1.02 - 0.024841, abs=1e-5)
+    r = metric_curve(a, "m", band="range", shift=1.0)
+    assert r[1] == pytest.approx((0.02, 0.01, 0.03))
+    one = ArmRuns(a.arm, [0], ["r0"], [{}], {"m": [{1: 1.5}]}, {})
+    v, lo, hi = metric_curve(one, "m", band="range")[1]
+    assert v == 1.5 and math.isnan(lo) and math.isnan(hi)
+    with pytest.raises(ValueError, match="band"):
+        metric_curve(a, "m", band="sd")
+
+
 def _recipe_metrics(mult, step_s):
     return {"mismatch/token_mult_prob_error": {1: mult, 2: mult + 0.002}, "time/step_s": {1: step_s, 2: step_s + 2},
             "time/rollout_s": {1: 1.0, 2: 1.0}, "time/train_s": {1: 3.0, 2: 3.0}}
