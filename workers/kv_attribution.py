@@ -5,7 +5,8 @@ trainer calibrated (workers/rollout.py ``round_kv_through_e4m3``), while the tra
 precision (the method: attention is not FP8 in training). This tool samples with the FP8-KV engine and recomputes
 the sampled tokens' logprobs with the FP8 trainer four ways: as trained, with K rounded like the engine, with V
 rounded, with both (``kv_rounding``: a transformers attention implementation that rounds the post-RoPE key and
-the value with the layer's scales, then runs SDPA). The mismatch that disappears when the trainer rounds K is K's
+the value with the layer's scales, then runs SDPA), and as a reference the trainer against the engine without the
+FP8 KV cache (the calibration rollout below). The mismatch that disappears when the trainer rounds K is K's
 rounding error; what stays is the rest (BF16 vs FP32 activations, engine kernels). It also reports saturation: the
 share of K / V elements of real tokens beyond ``448 * scale`` (clamped by the cache).
 
@@ -39,6 +40,7 @@ from workers.mismatch import (
 from workers.rollout import E4M3_MAX, RolloutConfig, RolloutWorker, round_kv_through_e4m3
 
 ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = "(engine without FP8 KV cache, same prompts, other seed)"
 SETTINGS = {"as trained (high-precision attention)": (False, False), "K rounded like the engine": (True, False),
             "V rounded like the engine": (False, True), "K and V rounded": (True, True)}
 
@@ -128,7 +130,9 @@ def attribution(model_dir: str | Path, prompts: list[str], *, run_dir: Path, n: 
     finally:
         worker.shutdown()
     ps, rs, lps = flatten_results(results)
-    rows, saturation = {}, None
+    # the reference: the same trainer against the engine without the FP8 KV cache (the calibration rollout)
+    rows = {REFERENCE: mismatch(trainer_logprobs(trainer, calib[0], calib[1], batch_size=64), calib[2])}
+    saturation = None
     for label, (rk, rv) in SETTINGS.items():
         sat = _Saturation() if saturation is None else None
         with kv_rounding(trainer, scales, round_k=rk, round_v=rv, saturation=sat):
@@ -148,7 +152,8 @@ def format_attribution(table: dict) -> str:
                      f"{m['mismatch/excess_share_abs_logp_diff_gt_1']:.0%} |")
     sat = table["saturation"]
     lines.append("")
-    lines.append(f"{table['sequences']} sequences, {table['rows'][next(iter(SETTINGS))]['tokens']} tokens; engine KV "
+    lines.append(f"{table['sequences']} sequences, {table['rows'][next(iter(SETTINGS))]['tokens']} tokens (reference: "
+                 f"{table['rows'][REFERENCE]['tokens']}); engine KV "
                  f"cache {table['kv_mode']}; saturated (|x| > 448 * scale) K {sat['k']:.2e}, V {sat['v']:.2e} of "
                  f"the real tokens' elements")
     return "\n".join(lines)
