@@ -14,7 +14,7 @@ The scales are calibrated as the pipeline does at refit (fp8core.rl.kv_calibrati
 prompts + responses of an FP8 rollout of the same prompts with another seed)::
 
     .venv/bin/python -m workers.kv_attribution --model-dir <checkpoint dir> [--data <jsonl with "question">]
-        [--prompts 128] [--n 8] [--max-tokens 64] [--seed 2]
+        [--prompts 128] [--n 8] [--max-tokens 64] [--seed 2] [--fp8-recipe blockwise]
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from fp8core.linear import RECIPES
 from workers.cluster import apply_env
 from workers.mismatch import (
     calibrate_kv_scales,
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=2)
+    ap.add_argument("--fp8-recipe", default="blockwise", choices=RECIPES,
+                    help="the checkpoint's FP8 recipe (engine and trainer run the same one)")
     ap.add_argument("--json", help="also write the table as JSON here")
     args = ap.parse_args(argv)
     model_dir, data = Path(args.model_dir), Path(args.data)
@@ -188,9 +191,11 @@ def main(argv: list[str] | None = None) -> dict:
     random.Random(args.seed).shuffle(rows)
     prompts = [chat_prompt(tok, r["question"]) for r in rows[:args.prompts]]
     t0 = time.perf_counter()
-    table = attribution(model_dir, prompts, run_dir=run_dir, n=args.n, max_tokens=args.max_tokens, seed=args.seed)
+    base = RolloutConfig(fp8_recipe=args.fp8_recipe, max_model_len=160, kv_cache_memory_bytes=64 << 20)
+    table = attribution(model_dir, prompts, run_dir=run_dir, n=args.n, max_tokens=args.max_tokens, seed=args.seed,
+                        base=base)
     print(f"model: {model_dir}; {len(prompts)} prompts x n={args.n}, max_tokens={args.max_tokens}, T=1, "
-          f"seed {args.seed}")
+          f"seed {args.seed}, FP8 {args.fp8_recipe}")
     print(format_attribution(table))
     print(f"(computed in {time.perf_counter() - t0:.1f}s)")
     if args.json:
