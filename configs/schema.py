@@ -193,6 +193,9 @@ class CalibrationCfg:
 
     kv_scales_period: int = 1  # steps between KV-scale calibrations when the KV cache is FP8 (0 = off)
     kv_calibration_samples: int = 8  # prompts+responses of the current batch used for KV amax
+    # FP8 KV cache only: the trainer's attention rounds K and V through E4M3 with the engine's current scales
+    # (workers/kv_rounding.py), in the old-logprob and the training forwards (straight-through gradient)
+    kv_rounding_in_trainer: bool = False
     # Calibrated Clipping (fp8core.rl.calibrated_clipping). The BF16 reference bounds are
     # [1 - loss_fn.ratio_clip_min, 1 + loss_fn.ratio_clip_max]: [0.8, 1.24] for GRPO, [0.8, 1.28] for DAPO.
     calibrated_clipping: bool = False
@@ -526,6 +529,9 @@ def _validate(c: Config):
                "(period >= 1); with 0 the cache would quantize with unit scales")
         _check(cal.kv_calibration_samples >= 1, "calibration.kv_calibration_samples",
                "must be >= 1 with an FP8 KV cache")
+    else:
+        _check(not cal.kv_rounding_in_trainer, "calibration.kv_rounding_in_trainer",
+               "replays the engine's FP8 KV cache: needs policy.generation.vllm_cfg.kv_cache_dtype=fp8")
     if cal.calibrated_clipping:
         _check(f8.enabled, "calibration.calibrated_clipping",
                "calibrates FP8 training against its BF16 shadow: needs policy.megatron_cfg.fp8_cfg.enabled=true")

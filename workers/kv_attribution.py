@@ -19,11 +19,9 @@ prompts + responses of an FP8 rollout of the same prompts with another seed)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import time
-from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import torch
 
 from fp8core.linear import RECIPES
 from workers.cluster import apply_env
+from workers.kv_rounding import _Saturation, kv_rounding
 from workers.mismatch import (
     calibrate_kv_scales,
     flatten_results,
@@ -38,72 +37,12 @@ from workers.mismatch import (
     mismatch,
     trainer_logprobs,
 )
-from workers.rollout import E4M3_MAX, RolloutConfig, RolloutWorker, round_kv_through_e4m3
+from workers.rollout import RolloutConfig, RolloutWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "(engine without FP8 KV cache, same prompts, other seed)"
 SETTINGS = {"as trained (high-precision attention)": (False, False), "K rounded like the engine": (True, False),
             "V rounded like the engine": (False, True), "K and V rounded": (True, True)}
-
-
-class _Saturation:
-    """Counts K / V elements of real tokens (attention mask 1) beyond ``E4M3_MAX * scale``."""
-
-    def __init__(self) -> None:
-        self.mask: torch.Tensor | None = None  # [B, T] of the current forward
-        self.over = {"k": 0, "v": 0}
-        self.total = {"k": 0, "v": 0}
-
-    def add(self, name: str, x: torch.Tensor, scale: float) -> None:  # x: [B, H, T, D]
-        over = (x.float().abs() > E4M3_MAX * scale).any(dim=1)  # [B, T, D]
-        keep = self.mask.bool() if self.mask is not None and self.mask.shape == over.shape[:2] else None
-        sel = over[keep] if keep is not None else over.reshape(-1, over.shape[-1])
-        self.over[name] += int(sel.sum())
-        self.total[name] += int(sel.numel())
-
-    def fractions(self) -> dict[str, float]:
-        return {n: self.over[n] / self.total[n] if self.total[n] else 0.0 for n in ("k", "v")}
-
-
-@contextlib.contextmanager
-def kv_rounding(model, scales: Mapping[str, list[float]], *, round_k: bool, round_v: bool,
-                saturation: _Saturation | None = None):
-    """Within the block, ``model``'s attention rounds the post-RoPE key (``round_k``) and the value (``round_v``)
-    through E4M3 with layer ``layer_idx``'s ``k_scale`` / ``v_scale``, as the engine's FP8 KV cache does, then
-    runs SDPA. The previous attention implementation is restored on exit."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import sdpa_mask
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        layer = int(module.layer_idx)
-        ks, vs = float(scales["k_scale"][layer]), float(scales["v_scale"][layer])
-        if saturation is not None:
-            saturation.add("k", key, ks)
-            saturation.add("v", value, vs)
-        if round_k:
-            key = round_kv_through_e4m3(key, ks)
-        if round_v:
-            value = round_kv_through_e4m3(value, vs)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    name = f"fp8grpo_kv_round_{int(round_k)}{int(round_v)}"
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, sdpa_mask)  # the masks SDPA itself gets (padding rows included)
-    previous = model.config._attn_implementation
-    hook = None
-    if saturation is not None:
-        def keep_mask(_module, _args, kwargs):
-            saturation.mask = kwargs.get("attention_mask")
-
-        hook = model.register_forward_pre_hook(keep_mask, with_kwargs=True)
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-        if hook is not None:
-            hook.remove()
 
 
 def attribution(model_dir: str | Path, prompts: list[str], *, run_dir: Path, n: int = 8, max_tokens: int = 64,

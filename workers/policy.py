@@ -260,6 +260,10 @@ class PolicyWorker:
                 ref_eps_low=lf.ratio_clip_min,
                 ref_eps_high=lf.ratio_clip_max))
         self.kv_scales: dict[str, list[float]] | None = None
+        # calibration.kv_rounding_in_trainer: _token_logp rounds K/V like the engine's FP8 cache with the scales the
+        # engine holds (the last calibrated ones; unit scales before any), except in the BF16 shadow forwards
+        self.kv_rounding = bool(cal.kv_rounding_in_trainer)
+        self._kv_rounding_paused = False
         # old logprobs of the first update's rows come from its training forwards (train_step) unless the model
         # has dropout, where a training forward is not the policy's deterministic forward
         self.reuse_first_forward = not any(
@@ -341,7 +345,7 @@ class PolicyWorker:
         from fp8core.moe import forced_routing
 
         with forced_routing(self.model, replay), _autocast(self.cfg.policy.precision, self.device,
-                                                           self.bf16_emulation):
+                                                           self.bf16_emulation), self._kv_replay():
             logits = self.model(input_ids=tokens, attention_mask=attn).logits
         if self._moe_measure:
             self._record_routing(b)
@@ -355,6 +359,21 @@ class PolicyWorker:
             e = token_entropy(z.detach())
             ent = torch.cat([torch.zeros_like(e[:, :1]), e], dim=1)
         return logp, ent
+
+    def _kv_replay(self):
+        """The engine's FP8 KV rounding around a forward (calibration.kv_rounding_in_trainer), else nothing."""
+        import contextlib
+
+        if not self.kv_rounding or self._kv_rounding_paused:
+            return contextlib.nullcontext()
+        from workers.kv_rounding import kv_rounding, unit_scales
+
+        scales = self.kv_scales
+        if scales is None:
+            from fp8core.rl.kv_calibration import find_attention_modules
+
+            scales = unit_scales(len(find_attention_modules(self.model)))
+        return kv_rounding(self.model, scales, round_k=True, round_v=True)
 
     def _zero_loss(self, one: Batch) -> torch.Tensor:
         """0 x a full forward of ``one``: the gradient-sync pass of a data-parallel update (workers/dp.py)."""
@@ -434,8 +453,12 @@ class PolicyWorker:
     def _shadow_logprobs(self, b: Batch) -> torch.Tensor:
         from fp8core.convert import high_precision
 
-        with high_precision(self.model):
-            return self.logprobs(b)[0]
+        paused, self._kv_rounding_paused = self._kv_rounding_paused, True  # the BF16 pipeline has no FP8 cache
+        try:
+            with high_precision(self.model):
+                return self.logprobs(b)[0]
+        finally:
+            self._kv_rounding_paused = paused
 
     # ---------------------------------------------------------------------------------------------------- training
     def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -742,9 +742,11 @@ def _set_attention_scales(model, names: list[str], scales: dict[str, list[float]
 
 def round_kv_through_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
     """``x`` rounded through the E4M3 grid with dequantization scale ``scale`` (round to nearest even, saturating at
-    +-448 * scale), in ``x``'s dtype: what an FP8 cache with that scale gives back, computed in FP32."""
-    q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
+    +-448 * scale), in ``x``'s dtype: what an FP8 cache with that scale gives back, computed in FP32. The one
+    definition the trainer's replay uses too (``fp8core.rl.kv_calibration.round_through_e4m3``)."""
+    from fp8core.rl.kv_calibration import round_through_e4m3
+
+    return round_through_e4m3(x, scale)
 
 
 def _round_kv_pre_hook(module, args, kwargs):

@@ -19,6 +19,11 @@ Public API
 ``calibrate_kv_scales(model, batches, *, percentile=99.9, margin=1.05, fmt="e4m3") -> KVScales``
 ``validate_kv_scales(scales, *, num_layers) -> None`` (ValueError naming the key and layer on a wrong layer count, a
 missing key, or a non-finite / non-positive scale)
+``round_through_e4m3(x, scale) -> Tensor``: what an E4M3 cache with dequantization scale ``scale`` gives back for
+``x``: ``(e4m3(clamp(x / scale, +-448)) * scale)`` in ``x``'s dtype, computed in FP32, round to nearest even (the rollout
+worker's emulated FP8 KV cache, and the trainer's replay of it: ``calibration.kv_rounding_in_trainer``).
+Differentiable as a straight-through estimator: the gradient passes unchanged where ``|x / scale| <= 448`` and is 0
+where the value saturated (as a clamp's), and is never itself rounded to FP8 (torch's own float8 cast would round it).
 
 ``KVScales`` is a plain dict, JSON-serializable: ``{"q_scale": [float] * L, "k_scale": [float] * L,
 "v_scale": [float] * L}``, index = decoder layer index (``layer_idx``). The rollout worker sets layer l's
@@ -53,7 +58,7 @@ from torch import nn
 from fp8core.quant import FP8_MAX, MIN_SCALE
 
 __all__ = ["KVScales", "collect_qkv_amax", "scales_from_amax", "calibrate_kv_scales", "validate_kv_scales",
-           "find_attention_modules"]
+           "find_attention_modules", "round_through_e4m3"]
 
 KVScales = dict[str, list[float]]
 _KEYS = ("q_scale", "k_scale", "v_scale")
@@ -249,3 +254,26 @@ def calibrate_kv_scales(
     scales = scales_from_amax(amax, percentile=percentile, margin=margin, fmt=fmt)
     validate_kv_scales(scales, num_layers=amax["q"].shape[1])
     return scales
+
+
+class _RoundThroughE4M3(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        m = FP8_MAX["e4m3"]
+        y = x.float() / scale
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(y.abs() <= m)
+        return (y.clamp(-m, m).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inside,) = ctx.saved_tensors
+        return grad * inside.to(grad.dtype), None
+
+
+def round_through_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` rounded through the E4M3 grid with dequantization scale ``scale`` (module docstring)."""
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"round_through_e4m3: scale must be a finite positive number, got {scale!r}")
+    return _RoundThroughE4M3.apply(x, scale)

@@ -86,6 +86,7 @@ READERS = {
     "grpo.seed": ("flows/grpo.py", "cfg.grpo.seed"),
     "calibration.kv_scales_period": ("tasks/context.py", "cal.kv_scales_period"),
     "calibration.kv_calibration_samples": ("tasks/context.py", "cal.kv_calibration_samples"),
+    "calibration.kv_rounding_in_trainer": ("workers/policy.py", "cal.kv_rounding_in_trainer"),
     "calibration.calibrated_clipping": ("workers/policy.py", "cal.calibrated_clipping"),
     "calibration.clip_period": ("workers/policy.py", "cal.clip_period"),
     "calibration.clip_low_range": ("workers/policy.py", "cal.clip_low_range"),

@@ -191,3 +191,10 @@ def test_rollout_fp8_spec_follows_the_trainer_or_its_own_keys():
         c = load_config(path)
         if c.trainer_fp8_spec() is not None and c.rollout_fp8_spec() is not None:
             assert c.rollout_fp8_spec().forward_key() == c.trainer_fp8_spec().forward_key(), path
+
+
+def test_kv_rounding_in_trainer_needs_an_fp8_kv_cache():
+    with pytest.raises(ConfigError, match="calibration.kv_rounding_in_trainer.*kv_cache_dtype=fp8"):
+        config_from_dict({}, ["calibration.kv_rounding_in_trainer=true"])
+    cfg = config_from_dict({}, ["calibration.kv_rounding_in_trainer=true", "policy.generation.vllm_cfg.kv_cache_dtype=fp8"])
+    assert cfg.calibration.kv_rounding_in_trainer

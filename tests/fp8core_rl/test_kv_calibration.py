@@ -164,3 +164,23 @@ def test_bad_micro_batch_is_named():
     with pytest.raises(ValueError, match="micro-batch 0 has no 'input_ids'"):
         calibrate_kv_scales(model, [{"ids": torch.zeros(1, 2, dtype=torch.long)}])
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_round_through_e4m3_values_and_straight_through_gradient():
+    from fp8core.rl.kv_calibration import round_through_e4m3
+
+    scale = 0.01
+    x = torch.tensor([0.0, 0.0123, -1.0, 4.47, 5.0, -6.0], requires_grad=True)  # 4.48 = 448 * scale: the range
+    y = round_through_e4m3(x, scale)
+    ref = (x.detach() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    assert torch.equal(y.detach(), ref)
+    assert y[4].item() == pytest.approx(4.48) and y[5].item() == pytest.approx(-4.48)  # saturated
+    g = torch.tensor([1.0, 2.0, 3.0, 0.3, 5.0, 6.0])
+    y.backward(g)
+    # passes unchanged inside the range (torch's own float8 cast would round 0.3 to 0.3125), 0 where saturated
+    assert torch.equal(x.grad, torch.tensor([1.0, 2.0, 3.0, 0.3, 0.0, 0.0]))
+    bf = round_through_e4m3(torch.tensor([1.0, 3.3], dtype=torch.bfloat16), 0.05)
+    assert bf.dtype == torch.bfloat16
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale"):
+            round_through_e4m3(x, bad)

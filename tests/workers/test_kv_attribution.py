@@ -1,18 +1,18 @@
-"""workers.kv_attribution.kv_rounding: the trainer-side replica of the engine's FP8 KV rounding (no engine here)."""
+"""workers.kv_rounding.kv_rounding: the trainer-side replica of the engine's FP8 KV rounding (no engine here)."""
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
 from fp8core.rl.kv_calibration import calibrate_kv_scales, collect_qkv_amax  # noqa: E402
-from workers.kv_attribution import _Saturation, kv_rounding  # noqa: E402
+from workers.kv_rounding import _Saturation, kv_rounding  # noqa: E402
 
 
-def _tiny(seed=0):
+def _tiny(seed=0, attn="sdpa"):
     torch.manual_seed(seed)
     cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=64, attn_implementation="sdpa")
+                                   max_position_embeddings=64, attn_implementation=attn)
     return transformers.Qwen3ForCausalLM(cfg).eval()
 
 
@@ -29,8 +29,9 @@ def _logits(model, ids, mask):
     return model(input_ids=ids, attention_mask=mask).logits
 
 
-def test_no_rounding_is_the_models_own_attention_and_the_implementation_is_restored():
-    model = _tiny()
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_no_rounding_is_the_models_own_attention_and_the_implementation_is_restored(attn):
+    model = _tiny(attn=attn)
     ids, mask = _batch()
     ref = _logits(model, ids, mask)
     scales = calibrate_kv_scales(model, [{"input_ids": ids, "attention_mask": mask}])
@@ -38,7 +39,7 @@ def test_no_rounding_is_the_models_own_attention_and_the_implementation_is_resto
         assert model.config._attn_implementation.startswith("fp8grpo_kv_round")
         same = _logits(model, ids, mask)
     assert torch.equal(same, ref)
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == attn
     assert torch.equal(_logits(model, ids, mask), ref)
 
 
@@ -68,3 +69,25 @@ def test_saturation_counts_the_same_post_rope_k_and_v_the_calibration_measures()
         frac = sat.fractions()
         assert (frac["k"] > 0) == saturated and (frac["v"] > 0) == saturated, (margin, frac)
         assert sat.total["k"] == 2 * int(mask.sum()) * 8  # layers x real tokens x head_dim (any head)
+
+
+def test_training_through_the_rounding_gets_a_straight_through_gradient():
+    """The replay in a training forward: gradients reach every parameter, and the K/V rounding is the only change
+    (the same loss without rounding gives gradients within FP8-sized differences, not zero and not garbage)."""
+    model = _tiny().train()
+    ids, mask = _batch()
+    scales = calibrate_kv_scales(model, [{"input_ids": ids, "attention_mask": mask}])
+    model.train()
+
+    def grads(round_kv):
+        model.zero_grad()
+        ctx = kv_rounding(model, scales, round_k=round_kv, round_v=round_kv)
+        with ctx:
+            model(input_ids=ids, attention_mask=mask).logits.float().logsumexp(-1).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, rounded = grads(False), grads(True)
+    assert plain.keys() == rounded.keys() and len(plain) == len(list(model.parameters()))
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    rel = ((rounded[k_proj] - plain[k_proj]).norm() / plain[k_proj].norm()).item()
+    assert 0 < rel < 0.2, rel

@@ -274,3 +274,28 @@ def test_clip_metrics_cover_the_updates_after_the_first(model_dir):
         assert m[f"clip_all_updates/{key}"] == pytest.approx(m[f"clip/{key}"] * share, abs=1e-12), key
     assert m["clip/lower_neg_adv_frac"] + m["clip/upper_pos_adv_frac"] > 0  # lr 0.05: the second update moved
     assert m["clip_all_updates/ratio_min"] <= 1.0 <= m["clip_all_updates/ratio_max"]
+
+
+def test_kv_rounding_in_trainer_replays_the_engine_cache(model_dir):
+    """calibration.kv_rounding_in_trainer: the worker's logprobs are the kv_rounding-scored ones with the engine's
+    current scales (unit scales before a calibration), the BF16 shadow is not rounded, and training runs."""
+    from fp8core.convert import high_precision
+    from workers.kv_rounding import kv_rounding, unit_scales
+
+    fp8 = {"policy.megatron_cfg.fp8_cfg.enabled": "true", "policy.generation.vllm_cfg.kv_cache_dtype": "fp8"}
+    plain = PolicyWorker(model_dir, _cfg(**fp8))
+    w = PolicyWorker(model_dir, _cfg(**fp8, **{"calibration.kv_rounding_in_trainer": "true"}))
+    ro = _rollouts(plain)
+    b = Batch.from_rollouts(ro, pad_id=plain.tokenizer.pad_token_id)
+    for scales in (None, plain.calibrate_kv_scales(ro, max_samples=8)):
+        w.kv_scales = scales
+        with kv_rounding(plain.model, scales or unit_scales(2), round_k=True, round_v=True):
+            want = plain.logprobs(b)[0]
+        got = w.logprobs(b)[0]
+        assert torch.equal(got, want)
+        assert not torch.equal(got, plain.logprobs(b)[0])  # the rounding changed something
+    assert torch.equal(w._shadow_logprobs(b), plain._shadow_logprobs(b))
+    with high_precision(plain.model):
+        assert torch.equal(w._shadow_logprobs(b), plain.logprobs(b)[0])
+    m = w.train_step(ro, [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0], step=1)
+    assert m["train/optimizer_updates"] >= 1 and m["mismatch/token_mult_prob_error"] > 1.0
