@@ -10,7 +10,9 @@ Arms (``ARMS``; each a recipe + overrides, all inheriting configs/tiny_bf16.yaml
   (configs/tiny_fp8_rollout.yaml + ``loss_fn.use_importance_sampling_correction=false``);
 - ``fp8-rollout-tis``: the same with truncated importance sampling (configs/tiny_fp8_rollout.yaml);
 - ``fp8-e2e``: end-to-end FP8, rollouts and training (configs/tiny_fp8_e2e.yaml);
-- ``fp8-e2e-kv``: end-to-end FP8 + FP8 KV cache with per-step K/V scales (configs/tiny_fp8_e2e_kv.yaml).
+- ``fp8-e2e-kv``: end-to-end FP8 + FP8 KV cache with per-step K/V scales (configs/tiny_fp8_e2e_kv.yaml);
+- ``fp8-e2e-kv-replay``: the same, the trainer rounding K/V like the engine's cache
+  (``calibration.kv_rounding_in_trainer=true``).
 
 For every arm x seed one ``fp8-grpo`` run, a child MLflow run of one parent (experiments/grid.py: resumable, a rerun
 skips finished runs). The table (``<out>/recipe_table.md``, logged to the parent with the PNG plots under
@@ -60,6 +62,8 @@ ARMS = (
     Arm("fp8-rollout-tis", "configs/tiny_fp8_rollout.yaml", label="FP8 rollout only + TIS"),
     Arm("fp8-e2e", "configs/tiny_fp8_e2e.yaml", label="end-to-end FP8"),
     Arm("fp8-e2e-kv", "configs/tiny_fp8_e2e_kv.yaml", label="end-to-end FP8 + FP8 KV cache"),
+    Arm("fp8-e2e-kv-replay", "configs/tiny_fp8_e2e_kv.yaml", ("calibration.kv_rounding_in_trainer=true",),
+        label="end-to-end FP8 + FP8 KV cache, replayed in the trainer"),
 )
 KEYS = ("mismatch/token_mult_prob_error", "time/step_s", "time/rollout_s", "time/train_s")
 
