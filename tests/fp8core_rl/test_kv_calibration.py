@@ -177,7 +177,7 @@ def test_round_through_e4m3_values_and_straight_through_gradient():
     assert y[4].item() == pytest.approx(4.48) and y[5].item() == pytest.approx(-4.48)  # saturated
     g = torch.tensor([1.0, 2.0, 3.0, 0.3, 5.0, 6.0])
     y.backward(g)
-    # passes unchanged inside the range (torch's own float8 cast would round 0.3 to 0.3125), 0 where saturated
+    # passes unchanged inside the range (torch's own float8 cast rounds the gradient to FP8 too), 0 where saturated
     assert torch.equal(x.grad, torch.tensor([1.0, 2.0, 3.0, 0.3, 0.0, 0.0]))
     bf = round_through_e4m3(torch.tensor([1.0, 3.3], dtype=torch.bfloat16), 0.05)
     assert bf.dtype == torch.bfloat16
