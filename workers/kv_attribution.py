@@ -5,7 +5,7 @@ trainer calibrated (workers/rollout.py ``round_kv_through_e4m3``), while the tra
 precision (the method: attention is not FP8 in training). This tool samples with the FP8-KV engine and recomputes
 the sampled tokens' logprobs with the FP8 trainer four ways: as trained, with K rounded like the engine, with V
 rounded, with both (``kv_rounding``: a transformers attention implementation that rounds the post-RoPE key and
-the value with the layer's scales, then runs SDPA), and as a reference the trainer against the engine without the
+the value with the layer's scales, then runs the model's own attention), and as a reference the trainer against the engine without the
 FP8 KV cache (the calibration rollout below). The mismatch that disappears when the trainer rounds K is K's
 rounding error; what stays is the rest (BF16 vs FP32 activations, engine kernels). It also reports saturation: the
 share of K / V elements of real tokens beyond ``448 * scale`` (clamped by the cache).
@@ -72,13 +72,11 @@ def attribution(model_dir: str | Path, prompts: list[str], *, run_dir: Path, n: 
     ps, rs, lps = flatten_results(results)
     # the reference: the same trainer against the engine without the FP8 KV cache (the calibration rollout)
     rows = {REFERENCE: mismatch(trainer_logprobs(trainer, calib[0], calib[1], batch_size=64), calib[2])}
-    saturation = None
-    for label, (rk, rv) in SETTINGS.items():
-        sat = _Saturation() if saturation is None else None
-        with kv_rounding(trainer, scales, round_k=rk, round_v=rv, saturation=sat):
+    sat = _Saturation()  # counted in the first setting's forwards (as trained: K / V not rounded upstream)
+    for i, (label, (rk, rv)) in enumerate(SETTINGS.items()):
+        with kv_rounding(trainer, scales, round_k=rk, round_v=rv, saturation=sat if i == 0 else None):
             rows[label] = mismatch(trainer_logprobs(trainer, ps, rs, batch_size=64), lps)
-        saturation = sat.fractions() if sat is not None else saturation
-    return {"rows": rows, "kv_scales": scales, "saturation": saturation, "kv_mode": kv_mode,
+    return {"rows": rows, "kv_scales": scales, "saturation": sat.fractions(), "kv_mode": kv_mode,
             "sequences": len(ps), "model_dir": str(model_dir)}
 
 

@@ -13,10 +13,8 @@ from collections.abc import Mapping
 
 import torch
 
-from fp8core.quant import FP8_MAX
+from fp8core.quant import E4M3_MAX
 from fp8core.rl.kv_calibration import round_through_e4m3
-
-E4M3_MAX = FP8_MAX["e4m3"]
 
 
 class _Saturation:

@@ -362,8 +362,6 @@ class PolicyWorker:
 
     def _kv_replay(self):
         """The engine's FP8 KV rounding around a forward (calibration.kv_rounding_in_trainer), else nothing."""
-        import contextlib
-
         if not self.kv_rounding or self._kv_rounding_paused:
             return contextlib.nullcontext()
         from workers.kv_rounding import kv_rounding, unit_scales

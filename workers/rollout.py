@@ -73,7 +73,6 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 KV_CACHE_IMPLS = ("auto", "native", "emulated")  # how kv_cache_dtype="fp8" is realised (module docstring)
 KV_MODES = ("bf16", "fp8-native", "fp8-emulated")
 CPU_FP8_KV_HEAD_MULTIPLE = 32  # vLLM 0.32 CPU FP8 KV cache: head_size % 32 == 0 (cpu_attn._get_attn_isa)
-E4M3_MAX = 448.0
 KV_IMPL_KEY = "policy.generation.vllm_cfg.kv_cache_impl"
 # Decoder-only architectures whose linears / attention layout the FP8 method and the KV-scale setter handle (dense,
 # and Qwen3-MoE: experts through workers/vllm_fp8.py Fp8CoreMoEMethod / workers/vllm_bf16.py Bf16EmulatedMoEMethod).

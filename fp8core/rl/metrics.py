@@ -95,15 +95,16 @@ def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
     k3_tr = torch.exp(-d) - 1.0 + d
     # rho*log(rho) - (1+rho)*log((1+rho)/2) with log(1+rho) = softplus(d)
     js = 0.5 * (rho * d - (1.0 + rho) * (torch.nn.functional.softplus(d) - math.log(2.0)))
-    excess = torch.where(valid, torch.expm1(d.abs()), torch.zeros_like(d))
-    big = valid & (d.abs() > 1.0)
+    ad = d.abs()
+    excess = torch.expm1(ad)  # 0 at invalid tokens (d is 0 there)
+    big = valid & (ad > 1.0)
     total_excess = float(excess.sum())
     return {
-        "mismatch/token_mult_prob_error": float(masked_mean(torch.exp(d.abs()), mask)),
+        "mismatch/token_mult_prob_error": float(masked_mean(torch.exp(ad), mask)),
         "mismatch/kl_k3_train_rollout": float(masked_mean(k3_tr, mask)),
         "mismatch/kl_k3_rollout_train": float(masked_mean(k3_rt, mask)),
         "mismatch/js": float(masked_mean(js.clamp_min(0.0), mask)),
-        "mismatch/max_abs_logp_diff": float(d.abs()[valid].max()) if bool(valid.any()) else 0.0,
+        "mismatch/max_abs_logp_diff": _masked_minmax(ad, mask)[1],
         "mismatch/frac_abs_logp_diff_gt_1": _frac(big, valid),
         "mismatch/excess_share_abs_logp_diff_gt_1": float(excess[big].sum()) / total_excess if total_excess > 0 else 0.0,
     }
