@@ -169,6 +169,11 @@ class LossFnCfg:
     is_truncation: float = 2.0  # TIS cap C: weight = min(pi_old/pi_rollout, C)
     is_mask_low: float | None = None  # ICE-POP / seq-mask-TIS band [low, high]; None = fp8core.rl defaults
     is_mask_high: float | None = None
+    # pi_old of the ratio: "trainer" = the trainer's own logprobs before this step's first update (NeMo RL's
+    # prev_logprobs; the first update has ratio 1); "rollout" = the rollout engine's logprobs of the sampled tokens
+    # (the behaviour policy, as asynchronous GRPO uses): the ratio then carries the train/inference mismatch, and the
+    # clip is its only importance-sampling correction (use_importance_sampling_correction must be false)
+    old_logprobs: Literal["trainer", "rollout"] = "trainer"
 
 
 @dataclass(frozen=True)
@@ -452,6 +457,13 @@ def _validate(c: Config):
     _check(lf.reference_policy_kl_penalty == 0.0, "loss_fn.reference_policy_kl_penalty",
            "a reference-policy KL term is not implemented (no reference model is kept); set it to 0")
     _check(lf.is_truncation > 0, "loss_fn.is_truncation", f"must be > 0, got {lf.is_truncation}")
+    _check(lf.old_logprobs in ("trainer", "rollout"), "loss_fn.old_logprobs",
+           f"must be trainer or rollout, got {lf.old_logprobs!r}")
+    _check(not (lf.old_logprobs == "rollout" and lf.use_importance_sampling_correction),
+           "loss_fn.use_importance_sampling_correction",
+           "must be false with loss_fn.old_logprobs=rollout: the ratio pi_theta / pi_rollout already is the "
+           "importance weight against the rollout engine (its clip truncates it); a second weight would count the "
+           "mismatch twice")
     if lf.is_mask_low is not None and lf.is_mask_high is not None:
         _check(0 <= lf.is_mask_low < 1 < lf.is_mask_high, "loss_fn.is_mask_low",
                f"need 0 <= is_mask_low < 1 < is_mask_high, got [{lf.is_mask_low}, {lf.is_mask_high}]")

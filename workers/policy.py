@@ -533,6 +533,9 @@ class PolicyWorker:
             old_bf16 = self._shadow_logprobs(b)
             t_cal += time.perf_counter() - tc
 
+        # pi_old of the ratio (loss_fn.old_logprobs): the trainer's logprobs before the first update (old_logp, filled
+        # in by the first update's forwards) or the rollout engine's (the ratio then carries the mismatch)
+        ref_logp = b.rollout_logp if lf.old_logprobs == "rollout" else old_logp
         clip_low, clip_high = self.bounds()
         agg = "token_mean" if lf.token_level_loss else "seq_mean_token_mean"
         self.model.train()
@@ -561,7 +564,7 @@ class PolicyWorker:
                             is_w[idx] = _pad_cols(importance_weights(old_logp[idx, :w], mb.rollout_logp, mb.mask,
                                                                      **is_kw)[0], b.width)
                     loss, lm = clipped_pg_loss(
-                        logp, old_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
+                        logp, ref_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
                         clip_low=clip_low, clip_high=clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg,
                         is_weights=None if is_w is None else is_w[idx, :w].to(logp.device), normalizer=normalizer)
                     if not torch.isfinite(loss):
@@ -655,7 +658,9 @@ class PolicyWorker:
             tc = time.perf_counter()
             new_fp8 = self.logprobs(b)[0]
             new_bf16 = self._shadow_logprobs(b)
-            (lo, hi), diag = self.cc.calibrate(step, torch.exp((new_fp8 - old_logp) * b.mask),
+            # the BF16 reference ratio is the shadow's own new / old: with old_logprobs=rollout it stands for a BF16
+            # pipeline's pi_theta / pi_rollout, whose mismatch (~1.002) it leaves out
+            (lo, hi), diag = self.cc.calibrate(step, torch.exp((new_fp8 - ref_logp) * b.mask),
                                                torch.exp((new_bf16 - old_bf16) * b.mask), adv, b.mask,
                                                prob_fp8=torch.exp(new_fp8), prob_bf16=torch.exp(new_bf16))
             m.update(diag)

@@ -68,6 +68,7 @@ READERS = {
     "loss_fn.ratio_clip_c": ("workers/policy.py", "lf.ratio_clip_c"),
     "loss_fn.token_level_loss": ("workers/policy.py", "lf.token_level_loss"),
     "loss_fn.reference_policy_kl_penalty": ("configs/schema.py", "lf.reference_policy_kl_penalty"),  # only 0
+    "loss_fn.old_logprobs": ("workers/policy.py", "lf.old_logprobs"),
     "loss_fn.use_importance_sampling_correction": ("workers/policy.py", "lf.use_importance_sampling_correction"),
     "loss_fn.importance_sampling": ("workers/policy.py", "lf.importance_sampling"),
     "loss_fn.is_truncation": ("workers/policy.py", "lf.is_truncation"),

@@ -299,3 +299,36 @@ def test_kv_rounding_in_trainer_replays_the_engine_cache(model_dir):
         assert torch.equal(w._shadow_logprobs(b), plain.logprobs(b)[0])
     m = w.train_step(ro, [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0], step=1)
     assert m["train/optimizer_updates"] >= 1 and m["mismatch/token_mult_prob_error"] > 1.0
+
+
+@pytest.mark.parametrize("old", ["trainer", "rollout"])
+def test_old_logprobs_rollout_puts_the_mismatch_in_the_ratio(model_dir, old):
+    """loss_fn.old_logprobs: with ``rollout`` pi_old is the engine's logprob, so an engine that scores every sampled
+    token 0.5 nats higher than the trainer gives ratio e^-0.5 = 0.61 on the first update, and every
+    negative-advantage token is silenced at the lower bound 0.8; with ``trainer`` the first update has ratio 1
+    and silences none. The mismatch metric is the trainer's old logprobs against the engine's in both."""
+    import math
+
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", "policy.train_global_batch_size": 8,
+                                        "policy.train_micro_batch_size": 4, "loss_fn.old_logprobs": old}))
+    ro = _rollouts(w)
+    for r in ro:
+        for s in r["samples"]:
+            s["logprobs"] = [lp + 0.5 for lp in s["logprobs"]]
+    m = w.train_step(ro, [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0], step=1)
+    assert m["train/optimizer_updates"] == 1
+    assert m["mismatch/token_mult_prob_error"] == pytest.approx(math.exp(0.5), rel=1e-4)
+    if old == "rollout":
+        assert m["clip/lower_neg_adv_frac"] == 1.0 and m["clip/upper_pos_adv_frac"] == 0.0
+        assert m["clip/ratio_max"] == pytest.approx(math.exp(-0.5), rel=1e-4)
+    else:
+        assert m["clip/lower_neg_adv_frac"] == 0.0 and m["clip/ratio_max"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_old_logprobs_rollout_refuses_a_second_importance_weight():
+    from configs.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="loss_fn.use_importance_sampling_correction"):
+        _cfg(**{"loss_fn.old_logprobs": "rollout", "loss_fn.use_importance_sampling_correction": "true"})
+    with pytest.raises(ConfigError, match="loss_fn.old_logprobs"):
+        _cfg(**{"loss_fn.old_logprobs": "engine"})
