@@ -19,6 +19,11 @@ experiments/grid.py):
   own K). Every Calibrated-Clipping run must calibrate at least 3 times (``grpo.max_num_steps // K >= 3``), else the
   command fails before training, naming the interval.
 
+``--old-logprobs rollout`` makes pi_old of every arm's ratio the rollout engine's logprob (``loss_fn.old_logprobs=rollout``,
+no separate IS weight), so the ratio carries the train/inference mismatch; ``--fp8-kv-cache`` runs the FP8 arms with
+the FP8 KV cache (configs/tiny_fp8_e2e_kv.yaml). Together: the full pipeline in the regime where FP8 noise enters the
+ratio.
+
 Tables (``<out>/paper_study.md``, logged to the parent with the PNG plots under ``<out>/plots``): per arm the
 validation accuracy at the last validation and its difference to BF16 (paired on prompts and seeds), the mean of
 ``clip/lower_neg_adv_frac`` (negative-advantage tokens silenced at the lower bound: the paper's failure signal, pooled
@@ -69,7 +74,10 @@ FP8_RECIPES = ("blockwise", "rowwise", "tensorwise")
 CLIP_PERIOD = 5  # 3 calibrations in the tiny recipes' 15 steps
 INTERVALS = (1, 2, 5)
 MIN_CALIBRATIONS = 3
-BF16_RECIPE, FP8_RECIPE = "configs/tiny_bf16.yaml", "configs/tiny_fp8_e2e.yaml"
+BF16_RECIPE, FP8_RECIPE, FP8_KV_RECIPE = "configs/tiny_bf16.yaml", "configs/tiny_fp8_e2e.yaml", "configs/tiny_fp8_e2e_kv.yaml"
+# --old-logprobs rollout: pi_old of every arm's ratio is the rollout engine's logprob (loss_fn.old_logprobs), and the
+# clip is the only importance-sampling correction
+ROLLOUT_OLD = ("loss_fn.old_logprobs=rollout", "loss_fn.use_importance_sampling_correction=false")
 KEYS = ("clip/lower_neg_adv_frac", "clip/upper_pos_adv_frac", "policy/entropy", "calib/ratio_error_amplification",
         "clip/bound_low", "clip/bound_high", "time/clip_calibration_s", "time/step_s", "calib/step",
         "calib/bf16_lower_neg_frac", "calib/fp8_lower_neg_frac_at_ref", "calib/fp8_lower_neg_frac_after")
@@ -81,27 +89,36 @@ def _cc(k: int) -> tuple[str, ...]:
 
 
 def make_arms(fp8_recipes=FP8_RECIPES, clip_period: int = CLIP_PERIOD, intervals=INTERVALS,
-              ablation_recipe: str = "blockwise") -> tuple[tuple[Arm, ...], dict[int, str]]:
-    """The arms (module docstring) and the interval ablation's {K: arm name}."""
+              ablation_recipe: str = "blockwise", *, old_logprobs: str = "trainer",
+              fp8_kv_cache: bool = False) -> tuple[tuple[Arm, ...], dict[int, str]]:
+    """The arms (module docstring) and the interval ablation's {K: arm name}. ``old_logprobs="rollout"`` gives every
+    arm the engine's logprobs as pi_old (ROLLOUT_OLD); ``fp8_kv_cache`` runs the FP8 arms' rollouts with the FP8 KV
+    cache (configs/tiny_fp8_e2e_kv.yaml: the full pipeline)."""
+    if old_logprobs not in ("trainer", "rollout"):
+        raise ValueError(f"--old-logprobs: trainer or rollout, got {old_logprobs!r}")
+    common = ROLLOUT_OLD if old_logprobs == "rollout" else ()
+    fp8_cfg = FP8_KV_RECIPE if fp8_kv_cache else FP8_RECIPE
+    kv = " + FP8 KV" if fp8_kv_cache else ""
     for r in [*fp8_recipes, ablation_recipe] if intervals else fp8_recipes:
         if r not in FP8_RECIPES:
             raise ValueError(f"--fp8-recipes / --ablation-recipe: unknown FP8 recipe {r!r} (valid: "
                              f"{', '.join(FP8_RECIPES)})")
     if len(set(intervals)) != len(intervals) or any(k < 1 for k in intervals):
         raise ValueError(f"--intervals: distinct integers >= 1 expected, got {list(intervals)}")
-    arms = [Arm("bf16", BF16_RECIPE, label="BF16")]
+    arms = [Arm("bf16", BF16_RECIPE, common, label="BF16")]
     for r in fp8_recipes:
-        rec = (f"policy.megatron_cfg.fp8_cfg.fp8_recipe={r}",)
-        arms.append(Arm(f"fp8-{r}", FP8_RECIPE, rec, label=f"FP8 {r}"))
-        arms.append(Arm(f"fp8-{r}-cc", FP8_RECIPE, rec + _cc(clip_period), label=f"FP8 {r} + CC (K={clip_period})"))
+        rec = (*common, f"policy.megatron_cfg.fp8_cfg.fp8_recipe={r}")
+        arms.append(Arm(f"fp8-{r}", fp8_cfg, rec, label=f"FP8 {r}{kv}"))
+        arms.append(Arm(f"fp8-{r}-cc", fp8_cfg, rec + _cc(clip_period),
+                        label=f"FP8 {r}{kv} + CC (K={clip_period})"))
     ablation = {}
     for k in intervals:
         if k == clip_period and ablation_recipe in fp8_recipes:
             ablation[k] = f"fp8-{ablation_recipe}-cc"
             continue
         name = f"fp8-{ablation_recipe}-cc-k{k}"
-        arms.append(Arm(name, FP8_RECIPE, (f"policy.megatron_cfg.fp8_cfg.fp8_recipe={ablation_recipe}", *_cc(k)),
-                        label=f"FP8 {ablation_recipe} + CC (K={k})"))
+        arms.append(Arm(name, fp8_cfg, (*common, f"policy.megatron_cfg.fp8_cfg.fp8_recipe={ablation_recipe}",
+                                        *_cc(k)), label=f"FP8 {ablation_recipe}{kv} + CC (K={k})"))
         ablation[k] = name
     return tuple(arms), dict(sorted(ablation.items()))
 
@@ -306,9 +323,11 @@ def paper_study(seeds: list[int] | None = None, fp8_recipes: list[str] | None = 
                 intervals: list[int] | None = None, ablation_recipe: str = "blockwise",
                 overrides: list[str] | None = None, out_dir: str = "runs/paper_study",
                 experiment_name: str = EXPERIMENT, tracking_uri: str | None = None, n_boot: int = 2000,
-                train: bool = True, arms: list[str] | None = None) -> dict:
+                train: bool = True, arms: list[str] | None = None, old_logprobs: str = "trainer",
+                fp8_kv_cache: bool = False) -> dict:
     arms, ablation = select(*make_arms(tuple(FP8_RECIPES if fp8_recipes is None else fp8_recipes), clip_period,
-                                       tuple(INTERVALS if intervals is None else intervals), ablation_recipe), arms)
+                                       tuple(INTERVALS if intervals is None else intervals), ablation_recipe,
+                                       old_logprobs=old_logprobs, fp8_kv_cache=fp8_kv_cache), arms)
     grid = make_grid(arms, list(SEEDS) if seeds is None else seeds, overrides or [], out_dir, ablation)
     check_calibrations(grid)
     return run_grid(grid, experiment=experiment_name, tracking_uri=tracking_uri, train=train,
@@ -326,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intervals", default=",".join(map(str, INTERVALS)),
                     help="the ablation's K values (comma-separated; empty = no ablation)")
     ap.add_argument("--ablation-recipe", default="blockwise")
+    ap.add_argument("--old-logprobs", default="trainer", choices=("trainer", "rollout"),
+                    help="pi_old of every arm's ratio: the trainer's logprobs (default) or the rollout engine's")
+    ap.add_argument("--fp8-kv-cache", action="store_true",
+                    help="the FP8 arms' rollouts with the FP8 KV cache (configs/tiny_fp8_e2e_kv.yaml)")
     ap.add_argument("--arms", default=None, help="comma-separated subset of the arms these settings make (default: all)")
     ap.add_argument("--out", default="runs/paper_study", help="experiment directory (resumable)")
     ap.add_argument("--tracking-uri", default=None)
@@ -341,14 +364,16 @@ def main(argv: list[str] | None = None) -> int:
         intervals = parse_ints(a.intervals, "--intervals")
         recipes = [s.strip() for s in a.fp8_recipes.split(",") if s.strip()]
         names = None if a.arms is None else [s.strip() for s in a.arms.split(",") if s.strip()]
-        arms, ablation = select(*make_arms(tuple(recipes), a.clip_period, tuple(intervals), a.ablation_recipe), names)
+        arms, ablation = select(*make_arms(tuple(recipes), a.clip_period, tuple(intervals), a.ablation_recipe,
+                                           old_logprobs=a.old_logprobs, fp8_kv_cache=a.fp8_kv_cache), names)
         check_calibrations(make_grid(arms, seeds, a.overrides, a.out, ablation))
         apply_cpu_cap()
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     paper_study(seeds, recipes, a.clip_period, intervals, a.ablation_recipe, a.overrides, a.out,
-                tracking_uri=a.tracking_uri, n_boot=a.n_boot, train=not a.table_only, arms=names)
+                tracking_uri=a.tracking_uri, n_boot=a.n_boot, train=not a.table_only, arms=names,
+                old_logprobs=a.old_logprobs, fp8_kv_cache=a.fp8_kv_cache)
     return 0
 
 

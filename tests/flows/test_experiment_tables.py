@@ -189,3 +189,21 @@ def test_paper_study_tables_and_shadow_cost(tmp_path):
     assert "| 10.0% |" in abl_table  # k1: 6 x 1 s of 60 s wall time
     for png in ("paper_study.png", "paper_study_intervals.png"):
         assert (tmp_path / "ps" / "plots" / png).stat().st_size > 10_000
+
+
+def test_paper_study_rollout_old_and_fp8_kv_arms(tmp_path):
+    """--old-logprobs rollout gives every arm the engine's logprobs as pi_old with no second IS weight;
+    --fp8-kv-cache puts the FP8 arms (not BF16) on the FP8 KV cache; the configs load and validate."""
+    from experiments.paper_study import make_arms, make_grid
+
+    arms, ablation = make_arms(("blockwise",), 2, (), "blockwise", old_logprobs="rollout", fp8_kv_cache=True)
+    cfgs = make_grid(arms, [0], ["grpo.max_num_steps=6"], tmp_path / "ps", ablation).check_configs()
+    assert set(cfgs) == {"bf16", "fp8-blockwise", "fp8-blockwise-cc"}
+    for name, c in cfgs.items():
+        assert c.loss_fn.old_logprobs == "rollout" and not c.loss_fn.use_importance_sampling_correction, name
+        assert c.policy.generation.vllm_cfg.kv_cache_dtype == ("auto" if name == "bf16" else "fp8"), name
+    plain = make_grid(make_arms(("blockwise",), 2, ())[0], [0], [], tmp_path / "p2", {}).check_configs()
+    assert all(c.loss_fn.old_logprobs == "trainer" for c in plain.values())
+    assert plain["fp8-blockwise"].policy.generation.vllm_cfg.kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match="--old-logprobs"):
+        make_arms(("blockwise",), 2, (), old_logprobs="engine")
