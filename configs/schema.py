@@ -457,8 +457,6 @@ def _validate(c: Config):
     _check(lf.reference_policy_kl_penalty == 0.0, "loss_fn.reference_policy_kl_penalty",
            "a reference-policy KL term is not implemented (no reference model is kept); set it to 0")
     _check(lf.is_truncation > 0, "loss_fn.is_truncation", f"must be > 0, got {lf.is_truncation}")
-    _check(lf.old_logprobs in ("trainer", "rollout"), "loss_fn.old_logprobs",
-           f"must be trainer or rollout, got {lf.old_logprobs!r}")
     _check(not (lf.old_logprobs == "rollout" and lf.use_importance_sampling_correction),
            "loss_fn.use_importance_sampling_correction",
            "must be false with loss_fn.old_logprobs=rollout: the ratio pi_theta / pi_rollout already is the "
