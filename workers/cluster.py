@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import signal
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,9 +157,27 @@ def init_ray(cfg: Config, run_dir: Path, auth: dict[str, str] | None = None) -> 
     if ray.is_initialized():
         return False
     _apply_auth(auth if auth is not None else ray_auth(cfg, run_dir))
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+    # ray.init replaces this process's SIGTERM handler with its own (sys.exit, and a local head's process kill).
+    # Put back the one in place: inside a Prefect flow that is Prefect's SIGTERM bridge, which a runner's cancel
+    # needs to find installed -- without it the cancel intent is never acknowledged, the runner's SIGTERM lands on
+    # Ray's sys.exit and the flow run ends CRASHED instead of CANCELLED (seen in CI when the cancel fell between two
+    # step subflows). The run's own cleanup (the flow's finally, the watchdog) ends Ray's processes either way.
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        if cfg.ray.address:
+            ray.init(address=cfg.ray.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+            return True
+        _init_local(cfg, run_dir)
         return True
+    finally:
+        if main and before is not None:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _init_local(cfg: Config, run_dir: Path) -> None:
+    import ray
+
     need = (cfg.cluster.policy_workers * cfg.ray.policy_worker.num_cpus
             + cfg.cluster.rollout_workers * cfg.ray.rollout_worker.num_cpus)
     num_cpus = cfg.ray.num_cpus or max(int(need + 0.999), os.cpu_count() or 1)
@@ -167,7 +187,6 @@ def init_ray(cfg: Config, run_dir: Path, auth: dict[str, str] | None = None) -> 
     # and its gRPC servers listen on all interfaces whatever is passed; the dashboard is off; token auth is on.
     ray.init(num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False, _temp_dir=tmp,
              logging_level="WARNING", log_to_driver=False)
-    return True
 
 
 PLACEMENT_TIMEOUT_S = 120.0

@@ -100,7 +100,11 @@ HEAD = textwrap.dedent("""
     from configs.schema import Config
     from workers.cluster import init_ray
     import ray
+    import signal
+    def mine(signum, frame): ...
+    signal.signal(signal.SIGTERM, mine)  # stands for Prefect's SIGTERM bridge, which a cancel needs installed
     init_ray(Config(), Path(sys.argv[1]))
+    print("SIGTERM_HANDLER_KEPT", signal.getsignal(signal.SIGTERM) is mine, flush=True)
     print("ADDRESS", ray.get_runtime_context().gcs_address, flush=True)
     sys.stdin.read()  # until the test closes stdin
     ray.shutdown()
@@ -120,7 +124,8 @@ CLIENT = textwrap.dedent("""
 @pytest.mark.slow
 def test_client_without_the_token_is_refused(tmp_path):
     """A Ray started by the project (``init_ray``, a head in its own process) runs a task for a client holding the
-    run's token, and refuses a client with no token, with another token, or with auth turned off."""
+    run's token, and refuses a client with no token, with another token, or with auth turned off. ``init_ray`` leaves
+    the caller's SIGTERM handler installed."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     base["HOME"] = str(tmp_path / "home")  # no ~/.ray/auth_token to fall back on
     base["RAY_TMPDIR"] = f"/tmp/ray-auth-{os.getpid()}"
@@ -128,10 +133,14 @@ def test_client_without_the_token_is_refused(tmp_path):
     head = subprocess.Popen([sys.executable, "-c", HEAD, str(run_dir)], cwd=ROOT, env=base, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        line = ""
+        line, kept = "", None
         while not line.startswith("ADDRESS"):
             line = head.stdout.readline()
             assert line or head.poll() is None, "Ray head exited before printing its address"
+            if line.startswith("SIGTERM_HANDLER_KEPT"):
+                kept = line.split()[1]
+        # ray.init swaps in its own SIGTERM handler; init_ray puts the caller's back (a Prefect cancel needs it)
+        assert kept == "True", kept
         address = line.split()[1]
         token = run_dir / TOKEN_FILE
         assert stat.S_IMODE(token.stat().st_mode) == 0o600
