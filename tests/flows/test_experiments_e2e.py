@@ -6,13 +6,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# the 5-step warm start these shortened experiments share (built once, cached like runs/test-env/ops-assets)
+SMALL_ASSETS = ROOT / "runs" / "test-env" / "small-assets"
 
 
 def _small(tmp_path, steps: int) -> list[str]:
     return [f"grpo.max_num_steps={steps}", "grpo.max_val_samples=8", "grpo.num_prompts_per_step=4",
             "grpo.num_generations_per_prompt=4", "grpo.val_period=1", "policy.train_global_batch_size=8",
             "policy.train_micro_batch_size=8", "grpo.dynamic_sampling=false", "evaluation.sets=[]",
-            "evaluation.num_samples=0", "checkpointing.enabled=false", f"bootstrap.assets_dir={tmp_path / 'assets'}",
+            "evaluation.num_samples=0", "checkpointing.enabled=false", f"bootstrap.assets_dir={SMALL_ASSETS}",
             "bootstrap.sft_steps=5"]
 
 

@@ -35,8 +35,8 @@ def test_tiny_fp8_two_steps_then_resume_from_s3(tmp_path, moto_s3, capsys):
               # a small batch keeps CI fast; the recipe's 16 x 8 is for real runs
               "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
               "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
-              f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'assets'}", "bootstrap.sft_steps=40",
-              # the 40-step warm start often scores 0 on every sample: DAPO's filter would then drop every group and
+              f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'ops-assets'}", "bootstrap.sft_steps=30",
+              # the 30-step warm start (shared with the ops tests) often scores 0 on every sample: DAPO's filter would then drop every group and
               # no update would run (no loss/grad metrics); this test is about the pipeline, so keep every group
               "grpo.dynamic_sampling=false"]
     recipe = str(ROOT / "configs" / "tiny_fp8_e2e_kv.yaml")
@@ -105,8 +105,8 @@ def test_fp8_kv_recipe_under_the_avx2_cap(tmp_path, monkeypatch, capsys):
               "grpo.max_num_steps=1", "grpo.val_at_start=false", "grpo.max_val_samples=4",
               "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
               "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
-              f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'assets'}", "bootstrap.sft_steps=40",
-              # the 40-step warm start often scores 0 on every sample: DAPO's filter would then drop every group and
+              f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'ops-assets'}", "bootstrap.sft_steps=30",
+              # the 30-step warm start (shared with the ops tests) often scores 0 on every sample: DAPO's filter would then drop every group and
               # no update would run (no loss/grad metrics); this test is about the pipeline, so keep every group
               "grpo.dynamic_sampling=false"])
     out = capsys.readouterr().out

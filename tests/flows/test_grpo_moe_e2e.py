@@ -26,7 +26,7 @@ def test_tiny_moe_fp8_two_steps_with_routing_replay(tmp_path, capsys):
             "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=8",
             "policy.train_micro_batch_size=8", "checkpointing.save_period=2", "evaluation.sets=[]",
             "evaluation.num_samples=0", "policy.router_replay.enabled=true",
-            f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'assets'}", "bootstrap.sft_steps=40",
+            f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'ops-assets'}", "bootstrap.sft_steps=30",
             "grpo.dynamic_sampling=false"]  # keep every group: this test is about the pipeline
     s = grpo(str(ROOT / "configs" / "tiny_moe_fp8_e2e.yaml"), over)
     out = capsys.readouterr().out

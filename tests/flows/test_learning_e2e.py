@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# the 5-step warm start these shortened experiments share (built once, cached like runs/test-env/ops-assets)
+SMALL_ASSETS = ROOT / "runs" / "test-env" / "small-assets"
 
 
 @pytest.mark.e2e
@@ -21,7 +23,7 @@ def test_learning_two_seeds_table_and_resume(tmp_path, capsys):
     overrides = ["grpo.max_num_steps=1", "grpo.max_val_samples=8", "grpo.num_prompts_per_step=4",
                  "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
                  "policy.train_micro_batch_size=16", "evaluation.sets=[]", "evaluation.num_samples=0",
-                 "checkpointing.enabled=false", f"bootstrap.assets_dir={tmp_path / 'assets'}", "bootstrap.sft_steps=5"]
+                 "checkpointing.enabled=false", f"bootstrap.assets_dir={SMALL_ASSETS}", "bootstrap.sft_steps=5"]
     out_dir = tmp_path / "learning"
     r1 = learning([recipe], [0, 1], overrides, str(out_dir), n_boot=500)
     out = capsys.readouterr().out
@@ -34,7 +36,7 @@ def test_learning_two_seeds_table_and_resume(tmp_path, capsys):
     per_seed = [s["gain"] for s in row["per_seed"]]
     assert g["value"] == pytest.approx(sum(per_seed) / 2)
     # each seed trained from its own warm start (grpo.seed -> tiny-qwen3-sft-seed<k>)
-    assert {p.name for p in (tmp_path / "assets" / "addition").glob("tiny-qwen3-sft-seed*")} == \
+    assert {p.name for p in (SMALL_ASSETS / "addition").glob("tiny-qwen3-sft-seed*")} == \
         {"tiny-qwen3-sft-seed0", "tiny-qwen3-sft-seed1"}
     table = (out_dir / "learning.md").read_text()
     assert f"`{recipe}`" in table and "paired bootstrap" in table

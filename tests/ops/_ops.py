@@ -21,11 +21,12 @@ PREFECT = str(Path(sys.executable).with_name("prefect"))
 ASSETS = ROOT / "runs" / "test-env" / "ops-assets"  # tiny model + data, bootstrapped once (short SFT) and cached
 BUCKET = "fp8-grpo-ops"
 
-# 2 RL steps on 2 prompts x 2 generations, 4 validation prompts, short answers: the smallest real run.
+# 2 RL steps on 2 prompts x 2 generations, 4 validation prompts of the main set only (no extra sets, no sampled
+# pass@k: tests/flows cover those), short answers: the smallest real run.
 TINY = ["grpo.max_num_steps=2", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=2",
         "policy.train_global_batch_size=4", "policy.train_micro_batch_size=4", "grpo.max_val_samples=4",
         "grpo.val_period=0", "grpo.val_at_start=false", "policy.generation.max_new_tokens=16", "checkpointing.save_period=1",
-        f"bootstrap.assets_dir={ASSETS}", "bootstrap.sft_steps=30"]
+        "evaluation.sets=[]", "evaluation.num_samples=0", f"bootstrap.assets_dir={ASSETS}", "bootstrap.sft_steps=30"]
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -154,9 +155,12 @@ def test_client_without_the_token_is_refused(tmp_path):
             return out[-1], r.stderr
 
         wrong = write_token_file(tmp_path / "wrong")
-        assert client(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))[0] == "RESULT 42"
-        for env in ({}, {"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(wrong)}):
-            out, err = client(**env)
+        envs = [{"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}, {}, {"RAY_AUTH_MODE": "disabled"},
+                {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(wrong)}]
+        with ThreadPoolExecutor(len(envs)) as pool:  # the four clients at once: each is mostly Ray's start-up wait
+            results = list(pool.map(lambda e: client(**e), envs))
+        assert results[0][0] == "RESULT 42", results[0]
+        for env, (out, err) in zip(envs[1:], results[1:], strict=True):
             assert out.startswith("REFUSED"), (env, out)
             # refused by the server's token check (GCS answers Unauthenticated), not by anything else
             assert "Authentication token is missing or incorrect" in err, (env, err[-2000:])
