@@ -36,8 +36,9 @@ def test_tiny_fp8_two_steps_then_resume_from_s3(tmp_path, moto_s3, capsys):
               "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
               "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8",
               f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'ops-assets'}", "bootstrap.sft_steps=30",
-              # the 30-step warm start (shared with the ops tests) often scores 0 on every sample: DAPO's filter would then drop every group and
-              # no update would run (no loss/grad metrics); this test is about the pipeline, so keep every group
+              # the 30-step warm start (shared with the ops tests) often scores 0 on every sample: DAPO's filter
+              # would then drop every group and no update would run (no loss/grad metrics); this test is about the
+              # pipeline, so keep every group
               "grpo.dynamic_sampling=false"]
     recipe = str(ROOT / "configs" / "tiny_fp8_e2e_kv.yaml")
 
@@ -106,8 +107,9 @@ def test_fp8_kv_recipe_under_the_avx2_cap(tmp_path, monkeypatch, capsys):
               "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
               "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8",
               f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'ops-assets'}", "bootstrap.sft_steps=30",
-              # the 30-step warm start (shared with the ops tests) often scores 0 on every sample: DAPO's filter would then drop every group and
-              # no update would run (no loss/grad metrics); this test is about the pipeline, so keep every group
+              # the 30-step warm start (shared with the ops tests) often scores 0 on every sample: DAPO's filter
+              # would then drop every group and no update would run (no loss/grad metrics); this test is about the
+              # pipeline, so keep every group
               "grpo.dynamic_sampling=false"])
     out = capsys.readouterr().out
     assert "rollout FP8 KV cache: fp8-emulated" in out and "cap avx2 from FP8GRPO_CPU_CAP" in out
