@@ -162,17 +162,16 @@ def init_ray(cfg: Config, run_dir: Path, auth: dict[str, str] | None = None) -> 
     # needs to find installed -- without it the cancel intent is never acknowledged, the runner's SIGTERM lands on
     # Ray's sys.exit and the flow run ends CRASHED instead of CANCELLED (seen in CI when the cancel fell between two
     # step subflows). The run's own cleanup (the flow's finally, the watchdog) ends Ray's processes either way.
-    main = threading.current_thread() is threading.main_thread()
-    before = signal.getsignal(signal.SIGTERM) if main else None
+    before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     try:
         if cfg.ray.address:
             ray.init(address=cfg.ray.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
-            return True
-        _init_local(cfg, run_dir)
-        return True
+        else:
+            _init_local(cfg, run_dir)
     finally:
-        if main and before is not None:
+        if before is not None:  # signal handlers can only be set from the main thread
             signal.signal(signal.SIGTERM, before)
+    return True
 
 
 def _init_local(cfg: Config, run_dir: Path) -> None:
