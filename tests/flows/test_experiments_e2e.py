@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL_ASSETS = ROOT / "runs" / "test-env" / "small-assets"
 
 
-def _small(tmp_path, steps: int) -> list[str]:
+def _small(steps: int) -> list[str]:
     return [f"grpo.max_num_steps={steps}", "grpo.max_val_samples=8", "grpo.num_prompts_per_step=4",
             "grpo.num_generations_per_prompt=4", "grpo.val_period=1", "policy.train_global_batch_size=8",
             "policy.train_micro_batch_size=8", "grpo.dynamic_sampling=false", "evaluation.sets=[]",
@@ -35,7 +35,7 @@ def test_recipe_table_two_arms_end_to_end(tmp_path, capsys, monkeypatch):
 
     monkeypatch.chdir(ROOT)  # the arms name their recipes relative to the repository
     out = tmp_path / "rt"
-    r1 = recipe_table(["bf16", "fp8-rollout-no-is"], [0], _small(tmp_path, 2), str(out), n_boot=200)
+    r1 = recipe_table(["bf16", "fp8-rollout-no-is"], [0], _small(2), str(out), n_boot=200)
     text = capsys.readouterr().out
     assert "recipe_table: training bf16-seed0" in text and "recipe_table: training fp8-rollout-no-is-seed0" in text
     rows = {r["arm"]: r for r in r1["rows"]}
@@ -56,7 +56,7 @@ def test_recipe_table_two_arms_end_to_end(tmp_path, capsys, monkeypatch):
     assert not any(k.startswith("is/") for k in no_is.data.metrics)
     assert {"recipe_table.md", "plots"} <= {a.path for a in c.list_artifacts(r1["parent_run_id"])}
 
-    r2 = recipe_table(["bf16", "fp8-rollout-no-is"], [0], _small(tmp_path, 2), str(out), n_boot=200)
+    r2 = recipe_table(["bf16", "fp8-rollout-no-is"], [0], _small(2), str(out), n_boot=200)
     text = capsys.readouterr().out
     assert text.count("already finished, skipped") == 2 and "recipe_table: training" not in text
     assert r2["parent_run_id"] == r1["parent_run_id"]
@@ -71,7 +71,7 @@ def test_paper_study_calibrated_clipping_end_to_end(tmp_path, capsys, monkeypatc
     monkeypatch.chdir(ROOT)
     out = tmp_path / "ps"
     # K = 1 over 3 steps: 3 calibrations (the minimum), and the K = 1 row of the interval ablation is that arm
-    r = paper_study([0], ["blockwise"], 1, [1], "blockwise", _small(tmp_path, 3), str(out), n_boot=200,
+    r = paper_study([0], ["blockwise"], 1, [1], "blockwise", _small(3), str(out), n_boot=200,
                     arms=["bf16", "fp8-blockwise-cc"])
     rows = {x["arm"]: x for x in r["rows"]}
     assert set(rows) == {"bf16", "fp8-blockwise-cc"} and r["ablation"] == {1: "fp8-blockwise-cc"}
