@@ -53,15 +53,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
-    from workers.cluster import apply_env
+    from cluster.runtime import apply_env
 
     apply_env(run_dir)
-    from workers.rollout import RolloutConfig, RolloutWorker
+    from rollout.engine import RolloutConfig, RolloutWorker
 
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
-        from workers.tiny_model import build_tiny_model
+        from embedded.tiny_model import build_tiny_model
 
         model_dir = build_tiny_model(run_dir / "tiny")
     loads = payloads(model_dir, args.recipe)

@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         layouts.append((n, m))
     if a.baseline_tree is not None and not (a.baseline_tree / "flows" / "grpo.py").is_file():
         p.error(f"--baseline-tree: {a.baseline_tree} is not a checkout of this project (no flows/grpo.py)")
-    import workers.quiet  # noqa: F401  third-party start-up noise off before transformers loads
-    from workers.bootstrap import default_sft, ensure_default_assets
+    import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads
+    from embedded.bootstrap import default_sft, ensure_default_assets
 
     # the tests' ops assets (reused when complete; the ops tests' bootstrap.sft_steps=30)
     assets = ensure_default_assets(ASSETS, task="addition", sft=default_sft("addition", seed=0, steps=30))

@@ -29,11 +29,11 @@ def recipe_overrides(w: Workload) -> list[str]:
 
 def run_project(recipe: str, w: Workload, *, steps: int = 4, overrides: tuple[str, ...] = ()) -> dict:
     """Time ``steps`` RL steps of ``recipe`` on workload ``w``; per-step phase times and the medians of steps 2.."""
+    from cluster.runtime import rollout_config
     from configs.schema import load_config
-    from workers.cluster import rollout_config
-    from workers.policy import PolicyWorker
-    from workers.rollout import RolloutWorker
-    from workers.tiny_model import chat_prompt
+    from embedded.tiny_model import chat_prompt
+    from rollout.engine import RolloutWorker
+    from trainer.policy import PolicyWorker
 
     cfg = load_config(ROOT / recipe, [*recipe_overrides(w), *overrides])
     run_dir = Path(tempfile.mkdtemp(prefix="bench-", dir=ROOT / "runs"))

@@ -22,7 +22,7 @@ def run_trl(w, *, steps: int = 4, threads: int = 2) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from bench.workload import reward, step_rows
-    from workers.tiny_model import chat_prompt
+    from embedded.tiny_model import chat_prompt
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(w.model_dir)

@@ -37,20 +37,20 @@ def default_workload(assets_dir: str | Path = ROOT / "runs" / "assets", *, quick
     SFT; built here when missing), or with ``quick`` the tests' 12-step SFT model (same architecture and shapes,
     built in seconds; timing-equivalent, less peaked)."""
     if quick:
-        from workers.mismatch import quick_sft_model
+        from diagnostics.mismatch import quick_sft_model
 
         root = ROOT / "runs" / "test-env" / "models"
         model = quick_sft_model(root)
         return Workload(model_dir=str(model), train_path=str(root / "sft-data" / "train.jsonl"))
-    from workers.bootstrap import ensure_default_assets
+    from embedded.bootstrap import ensure_default_assets
 
     a = ensure_default_assets(assets_dir)
     return Workload(model_dir=str(a["model_dir"]), train_path=str(a["train"]))
 
 
 def step_rows(w: Workload, step: int) -> list[dict]:
-    """The prompts (question, answer) of RL step ``step``: the same selection rule as the flow (workers.data)."""
-    from workers.data import load_split, rows, step_indices
+    """The prompts (question, answer) of RL step ``step``: the same selection rule as the flow (data.loading)."""
+    from data.loading import load_split, rows, step_indices
 
     ds = load_split(w.train_path)
     idx = step_indices(len(ds), step=step, num_prompts=w.num_prompts, seed=w.seed)
@@ -58,6 +58,6 @@ def step_rows(w: Workload, step: int) -> list[dict]:
 
 
 def reward(text: str, answer: str) -> float:
-    from workers.math_task import reward as math_reward
+    from embedded.math_task import reward as math_reward
 
     return float(math_reward(text, answer))

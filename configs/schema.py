@@ -43,10 +43,10 @@ class VllmCfg:
 
     precision: Literal["bfloat16", "fp8"] = "bfloat16"
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # fp8 = E4M3 cache with per-layer K/V scales from calibration
-    # BF16 rollouts: auto = emulated (FP32 GEMMs on BF16-rounded operands, workers/vllm_bf16.py) on CPUs without
+    # BF16 rollouts: auto = emulated (FP32 GEMMs on BF16-rounded operands, rollout/vllm_bf16.py) on CPUs without
     # BF16 units, native vLLM BF16 elsewhere; native | emulated force one (policy.bf16_mode is the trainer's twin).
     bf16_mode: Literal["auto", "native", "emulated"] = "auto"
-    # How kv_cache_dtype=fp8 is realised (workers/rollout.py): native = vLLM's FP8 cache (on CPU needs AVX-512/AMX and
+    # How kv_cache_dtype=fp8 is realised (rollout/engine.py): native = vLLM's FP8 cache (on CPU needs AVX-512/AMX and
     # head_size % 32 == 0), emulated = BF16 cache with K/V rounded through E4M3 (any CPU; no capacity gain),
     # auto = native where vLLM allows it, else emulated.
     kv_cache_impl: Literal["auto", "native", "emulated"] = "auto"
@@ -183,7 +183,7 @@ class GrpoCfg:
     max_num_steps: int = 20
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = False
-    # DAPO dynamic sampling: groups whose rewards are all equal are filtered out of the loss (workers/policy.py)
+    # DAPO dynamic sampling: groups whose rewards are all equal are filtered out of the loss (trainer/policy.py)
     dynamic_sampling: bool = False
     val_period: int = 5
     val_at_start: bool = True
@@ -199,7 +199,7 @@ class CalibrationCfg:
     kv_scales_period: int = 1  # steps between KV-scale calibrations when the KV cache is FP8 (0 = off)
     kv_calibration_samples: int = 8  # prompts+responses of the current batch used for KV amax
     # FP8 KV cache only: the trainer's attention rounds K and V through E4M3 with the engine's current scales
-    # (workers/kv_rounding.py), in the old-logprob and the training forwards (straight-through gradient)
+    # (trainer/kv_rounding.py), in the old-logprob and the training forwards (straight-through gradient)
     kv_rounding_in_trainer: bool = False
     # Calibrated Clipping (fp8core.rl.calibrated_clipping). The BF16 reference bounds are
     # [1 - loss_fn.ratio_clip_min, 1 + loss_fn.ratio_clip_max]: [0.8, 1.24] for GRPO, [0.8, 1.28] for DAPO.
@@ -217,7 +217,7 @@ class CalibrationCfg:
 @dataclass(frozen=True)
 class DataCfg:
     """Train / validation files (jsonl or parquet, file:// or s3://). ``embedded`` = the synthetic task named by
-    ``task``, which also picks the verifier (workers/verifiers.py): ``addition`` (default; column-by-column scratchpad,
+    ``task``, which also picks the verifier (embedded/verifiers.py): ``addition`` (default; column-by-column scratchpad,
     strict ``\\boxed{}`` at the end) or ``arithmetic`` (one-fact word problems; also the GSM8K / OpenMathInstruct
     verifier: last ``\\boxed{}`` or last number)."""
 
@@ -335,7 +335,7 @@ class ClusterCfg:
     num_nodes: int = 1
     gpus_per_node: int = 0
     rollout_workers: int = 1
-    policy_workers: int = 1  # data-parallel trainers: FSDP2-sharded ranks of one process group (workers/dp.py)
+    policy_workers: int = 1  # data-parallel trainers: FSDP2-sharded ranks of one process group (trainer/dp.py)
     collective_timeout_s: float = 60.0  # a dead trainer rank fails the step within this (gloo's default: 30 min)
     # Ray restarts a dead rollout engine (its process killed, OOM, a crash) up to this many times in a run; the step
     # whose refit or rollout it broke waits for the new engine and redoes refit + rollout (same seeds, so the same
@@ -349,7 +349,7 @@ class BootstrapCfg:
     """Supervised warm start of the embedded tiny model (cached under ``assets_dir``)."""
 
     assets_dir: str = "runs/assets"  # relative paths are relative to the working directory (shared across runs)
-    sft_steps: int | None = None  # None: workers.bootstrap.SFTConfig's default
+    sft_steps: int | None = None  # None: embedded.bootstrap.SFTConfig's default
     model: Literal["dense", "moe"] = "dense"  # the embedded tiny Qwen3, or its Mixture-of-Experts twin (8 experts, top-2)
 
 

@@ -4,7 +4,7 @@
                                    [--out runs/learning] [key=value ...]      (overrides applied to every run)
 
 For every recipe x seed: one ``fp8-grpo`` training run (``grpo.seed`` = the seed; each seed builds its own SFT warm
-start, workers/bootstrap.py) as a child MLflow run of one parent run. Then, per recipe, the gain in validation
+start, embedded/bootstrap.py) as a child MLflow run of one parent run. Then, per recipe, the gain in validation
 accuracy from step 0 to the last step, mean over seeds, with a 95% confidence interval from a paired bootstrap over
 validation prompts with the seeds as strata (fp8core.stats), beside the format-valid rate, entropy, clip fractions
 (updates after the first of each step), identical-reward groups and wall time. The markdown table goes to

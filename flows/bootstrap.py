@@ -1,5 +1,5 @@
 """Flow ``bootstrap-tiny``: the embedded default's assets (synthetic task splits + tiny Qwen3 + SFT warm start), built
-once and cached under ``assets_dir`` (workers/bootstrap.py does the work; a second call returns at once). ``task``
+once and cached under ``assets_dir`` (embedded/bootstrap.py does the work; a second call returns at once). ``task``
 is ``data.task``: ``addition`` (default) or ``arithmetic``; ``model`` is ``bootstrap.model``: ``dense`` (default) or
 ``moe`` (the tiny Qwen3-MoE)."""
 
@@ -10,13 +10,13 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-import workers.quiet  # noqa: F401  third-party start-up noise off before transformers loads (workers/quiet.py)
+import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads (cluster/quiet.py)
 
 
 @task(name="ensure-default-assets", cache_policy=NO_CACHE)
 def ensure_assets(assets_dir: str, sft_steps: int | None, seed: int, data_task: str,
                   model: str = "dense") -> dict[str, str]:
-    from workers.bootstrap import default_sft, ensure_default_assets
+    from embedded.bootstrap import default_sft, ensure_default_assets
 
     sft = default_sft(data_task, seed=seed, steps=sft_steps)
     out = ensure_default_assets(Path(assets_dir), task=data_task, sft=sft, model=model)

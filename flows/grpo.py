@@ -4,7 +4,7 @@
 
 Order: load + validate the recipe (bad keys/types/combinations fail here) -> the CPU line (fp8core.cpu.describe) ->
 embedded assets (bootstrap subflow) when the recipe says ``embedded`` -> the rollout KV-cache check against the
-model's head size and the CPU (workers.cluster.check_rollout_kv) -> load the datasets (missing file/column fails here, before any worker starts) -> Ray
+model's head size and the CPU (cluster.runtime.check_rollout_kv) -> load the datasets (missing file/column fails here, before any worker starts) -> Ray
 (a local single-node Ray, or ``ray.address``) + the PolicyWorker and RolloutWorker actors -> resume from the latest
 complete checkpoint (``checkpointing.resume``: same MLflow run, step counter continues) -> validation at step 0 ->
 ``rl_step`` subflows, validation every ``grpo.val_period`` steps, checkpoints every ``checkpointing.save_period``
@@ -30,7 +30,7 @@ if __name__ == "__main__":  # before Prefect is imported
 
 from prefect import flow  # noqa: E402
 
-import workers.quiet  # noqa: E402,F401  third-party start-up noise off before transformers / torchao / MLflow load
+import cluster.quiet  # noqa: E402,F401  third-party start-up noise off before transformers / torchao / MLflow load
 from configs.schema import EMBEDDED, Config, load_config, to_yaml  # noqa: E402
 
 PLOT_KEYS = ["reward/mean", "val/accuracy", "mismatch/token_mult_prob_error", "policy/entropy", "time/step_s",
@@ -65,9 +65,24 @@ def _progress(step: int, total: int, m: dict, val: float | None) -> str:
 def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     import ray
 
+    from cluster.runtime import (
+        WorkerLost,
+        apply_env,
+        check_rollout_kv,
+        init_ray,
+        lost_trainers,
+        ray_auth,
+        start_workers,
+        stop_workers,
+        worker_nodes,
+    )
+    from cluster.watchdog import start_watchdog
+    from data.eval_sets import check_eval_paths, load_eval_sets
+    from data.loading import PromptSource
     from flows.bootstrap import bootstrap_flow
     from flows.rl_step import rl_step
     from fp8core.cpu import cpu_caps, describe
+    from storage.checkpoint import CheckpointStore
     from tasks import rl
     from tasks.checkpoint import load_checkpoint, save_checkpoint
     from tasks.context import RunContext
@@ -82,21 +97,6 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         ui_hint,
         ui_url,
     )
-    from workers.checkpoint import CheckpointStore
-    from workers.cluster import (
-        WorkerLost,
-        apply_env,
-        check_rollout_kv,
-        init_ray,
-        lost_trainers,
-        ray_auth,
-        start_workers,
-        stop_workers,
-        worker_nodes,
-    )
-    from workers.data import PromptSource
-    from workers.eval_sets import check_eval_paths, load_eval_sets
-    from workers.watchdog import start_watchdog
 
     start_watchdog()  # after this process ends (even by kill -9), whatever it started is ended too
 
@@ -372,11 +372,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(argv[0], argv[1:])  # fail fast with the dotted path, before Prefect starts its server
-        from workers.eval_sets import check_eval_paths
+        from data.eval_sets import check_eval_paths
 
         check_eval_paths(cfg)  # evaluation.sets[i].path: a local file that does not exist
         if cfg.ray.address or cfg.ray.auth_token_path:  # the cluster's token file too (no side effects here)
-            from workers.cluster import ray_auth
+            from cluster.runtime import ray_auth
 
             ray_auth(cfg, Path(cfg.run_dir))
         # A fresh process: the driver (bootstrap SFT, data) follows FP8GRPO_CPU_CAP too. The flow function itself

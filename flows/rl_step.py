@@ -16,10 +16,10 @@ import time
 from prefect import flow
 from ray.exceptions import RayError
 
+from cluster.runtime import actor_error
 from tasks import rl
 from tasks.context import RunContext
 from tasks.tracking import log_metrics
-from workers.cluster import actor_error
 
 PHASES = ("refit", "rollout", "reward", "train", "calibrate")
 

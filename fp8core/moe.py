@@ -18,7 +18,7 @@ renormalisation), else ``exp(logit - logsumexp(all logits))``. Same logits -> sa
 weights on both sides.
 
 :func:`experts_forward` is the one expert loop both sides run (trainer: :class:`FP8Experts`; engine:
-workers/vllm_fp8.py's MoE method): experts in ascending id, each on its tokens, ``act(gate) * up``, down,
+rollout/vllm_fp8.py's MoE method): experts in ascending id, each on its tokens, ``act(gate) * up``, down,
 times the routing weight (FP32), accumulated with ``index_add_`` in the input dtype.
 
 Routing replay (R3): :class:`FP32Router` can be told the experts to use (``forced_ids``, e.g. the rollout engine's

@@ -31,7 +31,7 @@ def served_state_dict(model: nn.Module, *, hp_dtype: torch.dtype = torch.bfloat1
                       state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """HF-named CPU tensors: FP8 codes + scales for the FP8 linears' weights, ``hp_dtype`` copies for the rest.
     ``state``: the model's full state dict where ``model.state_dict()`` would not give it (a sharded model, whose
-    FP8 linears hold their gathered weights for the call: workers/dp.py)."""
+    FP8 linears hold their gathered weights for the call: trainer/dp.py)."""
     fp8 = {f"{name}.weight": m.quantized_weight() for name, m in model.named_modules() if isinstance(m, FP8Linear)}
     for name, m in model.named_modules():
         if isinstance(m, FP8Experts) and m.config is not None:

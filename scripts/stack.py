@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from workers.cluster import TOKEN_FILE, write_token_file  # noqa: E402
+from cluster.runtime import TOKEN_FILE, write_token_file  # noqa: E402
 
 POOL = "fp8-grpo-process"
 WORKER_NAME = "fp8-grpo-stack-worker"

@@ -8,9 +8,9 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from cluster.runtime import policy_call
 from tasks.context import RunContext
 from tasks.tracking import log_metrics, log_text
-from workers.cluster import policy_call
 
 
 @task(name="save-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)

@@ -11,11 +11,11 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from cluster.faults import claim_once
+from cluster.runtime import actor, await_actors, dead_actors, policy_call, policy_refs, split_groups
+from embedded.verifiers import verify
 from tasks.context import RunContext
 from tasks.tracking import log_metrics
-from workers.cluster import actor, await_actors, dead_actors, policy_call, policy_refs, split_groups
-from workers.faults import claim_once
-from workers.verifiers import verify
 
 TASK = dict(cache_policy=NO_CACHE, log_prints=False)
 ENGINE_RESTART_TIMEOUT_S = 300.0  # a restarted engine rebuilds vLLM (seconds on CPU; model load + warm-up on GPU)
@@ -30,7 +30,7 @@ def _tokenizer(model_dir: str):
 
 
 def prompts_for(model_dir: str, rows: list[dict]) -> list[str]:
-    from workers.tiny_model import chat_prompt
+    from embedded.tiny_model import chat_prompt
 
     tok = _tokenizer(model_dir)
     return [chat_prompt(tok, r["question"]) for r in rows]
@@ -77,7 +77,7 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     ranges = split_groups(len(prompts), len(ctx.rollouts))
     engines = [actor(name) for name in ctx.rollouts[:len(ranges)]]
     if _fault_due(ctx, ctx.faults.kill_rollout_step, step, "kill_rollout"):
-        ray.get(engines[0].arm_fault_kill.remote())  # TEST-ONLY: engine 0 dies mid-rollout (workers/faults.py)
+        ray.get(engines[0].arm_fault_kill.remote())  # TEST-ONLY: engine 0 dies mid-rollout (cluster/faults.py)
     parts = [e.generate.remote(prompts[a:b], n=g.n, max_tokens=g.max_tokens, temperature=g.temperature,
                                top_p=g.top_p, seed=seed + a * g.n, weights_version=weights_version,
                                routing=True)  # MoE engines attach each token's experts (replay, moe/* metrics)
@@ -161,7 +161,7 @@ def _generate_rows(ctx: RunContext, rows: list[dict], *, n: int, temperature: fl
     """``n`` completions per row, grpo.val_batch_size prompts per engine call; prompt g gets seed ``seed0 + g*n``
     (independent of the chunking, the same at every validation step: common random numbers across steps)."""
     prompts, bs = prompts_for(ctx.model_dir, rows), ctx.val_batch_size
-    # fan-out: consecutive prompt ranges per engine (workers.cluster.split_groups), each in calls of bs prompts; all
+    # fan-out: consecutive prompt ranges per engine (cluster.runtime.split_groups), each in calls of bs prompts; all
     # calls issued at once (each engine runs its own in order), gathered in prompt order
     refs = [actor(ctx.rollouts[k]).generate.remote(
                 prompts[i:min(i + bs, b)], n=n, max_tokens=ctx.gen.max_tokens, temperature=temperature,

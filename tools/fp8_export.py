@@ -9,7 +9,7 @@
 (its ``rollout_fp8_spec``). The FP32 masters of the checkpoint are quantized once, exactly as the trainer's
 ``FP8Linear`` and the rollout engine do (``fp8core.serve.served_state_dict``), and written with:
 
-* ``--layout fp8core`` (default): ``quantization_config`` of this project's vLLM method (``workers.vllm_fp8``; every
+* ``--layout fp8core`` (default): ``quantization_config`` of this project's vLLM method (``rollout.vllm_fp8``; every
   recipe). vLLM with that method loads the FP8 codes + ``weight_scale_inv`` as they are (no re-quantization), so the
   engine serves exactly what the trainer trained against -- tested: same tokens and logprobs as an engine refit
   from the trainer.
@@ -41,7 +41,7 @@ def _split_checkpoint(uri: str) -> tuple[str, int | None]:
 def quantization_config(spec, num_hidden_layers: int, layout: str) -> dict:
     """The ``quantization_config`` entry of the exported config.json."""
     if layout == "fp8core":
-        from workers.vllm_fp8 import quantization_config_dict
+        from rollout.vllm_fp8 import quantization_config_dict
 
         return quantization_config_dict(
             num_hidden_layers=num_hidden_layers, fp8_recipe=spec.recipe,
@@ -70,7 +70,7 @@ def export(checkpoint: str, out: str | Path, *, layout: str = "fp8core", recipe:
     from fp8core.convert import convert_to_fp8
     from fp8core.serve import served_state_dict
     from fp8core.spec import FP8Spec
-    from workers.checkpoint import CheckpointStore
+    from storage.checkpoint import CheckpointStore
 
     if layout not in LAYOUTS:
         raise ValueError(f"--layout {layout!r}: not one of {LAYOUTS}")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("overrides", nargs="*", help="recipe overrides key=value (with --recipe)")
     ex.add_argument("--endpoint-url", help="S3 endpoint for s3:// checkpoints (credentials from the environment)")
     args = ap.parse_args(argv)
-    from workers.checkpoint import CheckpointError
+    from storage.checkpoint import CheckpointError
 
     try:
         out = export(args.checkpoint, args.out, layout=args.layout, recipe=args.recipe, overrides=args.overrides,

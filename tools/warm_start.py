@@ -2,7 +2,7 @@
 
     python -m tools.warm_start MODEL_DIR VALIDATION_JSONL [--prompts 500] [--sampled 64] [--threads 2]
 
-Prints, on the validation rows (clean scratchpads, workers/addition_task.py):
+Prints, on the validation rows (clean scratchpads, embedded/addition_task.py):
 
 - the teacher-forced probability the model gives the carry token ``1`` where a carry is due (after a column whose sum
   was >= 10), its mean and the share of those positions above 0.5 (where greedy decoding already carries), and the
@@ -34,7 +34,7 @@ def carry_probabilities(model, tok, rows) -> dict[str, list[float]]:
     """Teacher-forced probabilities of the carry and sum tokens of each row's clean scratchpad."""
     import torch
 
-    from workers.tiny_model import chat_prompt
+    from embedded.tiny_model import chat_prompt
 
     out = {"carry_1": [], "carry_0": [], "sum": []}
     for r in rows:
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import workers.quiet  # noqa: F401  (third-party start-up noise)
-    from workers import addition_task as at
-    from workers.tiny_model import chat_prompt
+    import cluster.quiet  # noqa: F401  (third-party start-up noise)
+    from embedded import addition_task as at
+    from embedded.tiny_model import chat_prompt
 
     torch.set_num_threads(a.threads)
     rows = [json.loads(line) for line in open(a.validation) if line.strip()][: a.prompts]

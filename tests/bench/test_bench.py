@@ -1,5 +1,5 @@
 """bench: the table computes the issue's ratios from the measured times; the numerics sections run; the
-workload picks the flow's prompts (same selection rule as workers.data.PromptSource)."""
+workload picks the flow's prompts (same selection rule as data.loading.PromptSource)."""
 import pytest
 
 import bench.__main__ as B
@@ -45,8 +45,8 @@ def test_numerics_sections_run():
 
 
 def test_workload_rows_follow_the_flow(tmp_path):
-    from workers.data import PromptSource, load_split
-    from workers.math_task import generate_splits
+    from data.loading import PromptSource, load_split
+    from embedded.math_task import generate_splits
 
     splits = generate_splits(tmp_path, n_train=50, n_validation=5)
     w = Workload(model_dir="unused", train_path=str(splits["train"]), num_prompts=4)

@@ -79,7 +79,7 @@ def test_paper_study_calibrated_clipping_end_to_end(tmp_path, capsys, monkeypatc
     assert cc["shadow"]["calibrations"]["value"] == 3 and cc["shadow"]["s_per_calibration"]["value"] > 0
     assert 0 < cc["shadow"]["share_of_wall"]["value"] < cc["shadow"]["share_of_step_time"]["value"] < 1
     # logged at each calibration, finite (it is 0 when no update moved the policy: a 5-step SFT often earns no
-    # reward at all, so every advantage is 0 and r = 1 in both precisions; tests/workers/test_policy.py checks > 0)
+    # reward at all, so every advantage is 0 and r = 1 in both precisions; tests/trainer/test_policy.py checks > 0)
     assert 0 <= cc["ratio_error_amplification"]["value"] < 1e4
     assert 0.5 <= cc["bound_low_last"] <= 0.9 and 1.2 <= cc["bound_high_last"] <= 2.0
     table = (out / "paper_study.md").read_text()

@@ -25,7 +25,7 @@ def test_tiny_fp8_two_steps_then_resume_from_s3(tmp_path, moto_s3, capsys):
 
     from flows.grpo import grpo
     from fp8core.cpu import cpu_caps
-    from workers.checkpoint import CheckpointStore
+    from storage.checkpoint import CheckpointStore
 
     s3fs.S3FileSystem(client_kwargs={"endpoint_url": moto_s3}).mkdir("ckpt-bucket")
     db = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -32,8 +32,8 @@ def test_paths_and_progress_line():
 def test_missing_dataset_file_and_column_fail_before_workers(tmp_path):
     import ray
 
-    from workers.data import DataError
-    from workers.tiny_model import TinyModelSpec, build_tiny_model
+    from data.loading import DataError
+    from embedded.tiny_model import TinyModelSpec, build_tiny_model
 
     model = build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny",
                              TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000))
@@ -72,10 +72,10 @@ def test_native_fp8_kv_refused_at_load_under_the_avx2_cap(monkeypatch, tmp_path)
 
     import ray
 
+    from cluster.runtime import check_rollout_kv
     from configs.schema import ConfigError, load_config
+    from embedded.tiny_model import TinyModelSpec, build_tiny_model
     from flows.grpo import grpo
-    from workers.cluster import check_rollout_kv
-    from workers.tiny_model import TinyModelSpec, build_tiny_model
 
     model = build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny",
                              TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000))
@@ -102,14 +102,14 @@ def test_native_fp8_kv_refused_at_load_under_the_avx2_cap(monkeypatch, tmp_path)
     from fp8core.cpu import cpu_caps
 
     # the head-size refusal, where this CPU has the FP8 KV cache at all (on an AVX2-only CPU the CPU refuses first;
-    # the head-size rule itself is tested CPU-independently in tests/workers/test_rollout.py)
+    # the head-size rule itself is tested CPU-independently in tests/rollout/test_rollout.py)
     why = "head_size 80 is not a multiple of 32" if cpu_caps().kind != "avx2" else "lacks AVX-512"
     with pytest.raises(ConfigError, match=f"kv_cache_impl=native.*{why}"):
         check_rollout_kv(native, odd)
 
 
 def test_ray_temp_dir_fits_unix_socket_limit(monkeypatch, tmp_path):
-    from workers.cluster import ray_temp_dir
+    from cluster.runtime import ray_temp_dir
 
     monkeypatch.delenv("RAY_TMPDIR", raising=False)
     assert ray_temp_dir(Path("/r")) == "/r/ray"

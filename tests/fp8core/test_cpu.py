@@ -1,5 +1,5 @@
 """fp8core.cpu: /proc/cpuinfo parsing, kind ordering, the FP8GRPO_CPU_CAP cap (parsing, view, enforcement in a fresh
-process). The vLLM side of the cap (FP8 KV refused inside vLLM under the AVX2 cap) is in tests/workers/test_rollout.py."""
+process). The vLLM side of the cap (FP8 KV refused inside vLLM under the AVX2 cap) is in tests/rollout/test_rollout.py."""
 import json
 import os
 import subprocess

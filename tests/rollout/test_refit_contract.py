@@ -1,0 +1,174 @@
+"""The FP8 contract through the pipeline's own refit path: rollout -> reward -> PolicyWorker.train_step (a real AdamW
+update, so the FP32 masters leave the BF16 grid) -> ``PolicyWorker.weights()`` -> ``RolloutWorker.refit`` (what
+tasks/rl.py ``refit`` sends actor to actor) leaves the engine's FP8 weights bit-identical to the trainer's own
+``FP8Linear.quantized_weight()``. The engine is built from the recipe by ``cluster.runtime.rollout_config``, as
+``start_workers`` does, so the rollout and trainer settings come from the same recipe the pipeline runs.
+
+Before the fix, refit shipped BF16 copies: the engine held ``quantize(bf16(w))`` while the trainer used
+``quantize(w)``. The test also checks that such a BF16 refit *would* be caught (it differs after a real update).
+"""
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs.schema import load_config
+from fp8core.quant import quantize
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "runs" / "test-env" / "models"
+
+pytestmark = pytest.mark.slow  # vLLM engine + a real train step
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from diagnostics.mismatch import quick_sft_model
+
+    return quick_sft_model(MODELS)
+
+
+def _cfg(tmp, recipe="blockwise", pow2=True, first=1, last=0):
+    # recipe options the engine must mirror: the rollout keys are left unset, so they follow the trainer's
+    f8 = "policy.megatron_cfg.fp8_cfg"
+    over = ["policy.precision=float32", "policy.optimizer.lr=1e-3", "policy.train_global_batch_size=8",
+            "policy.train_micro_batch_size=4", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
+            f"{f8}.fp8_recipe={recipe}", f"{f8}.num_first_layers_in_bf16={first}",
+            f"{f8}.num_last_layers_in_bf16={last}", f"{f8}.pow2_weight_scaling_factors={str(pow2).lower()}",
+            f"{f8}.pow2_activation_scaling_factors={str(pow2).lower()}",
+            "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={tmp}"]
+    return load_config(ROOT / "configs" / "tiny_fp8_e2e.yaml", over)
+
+
+_FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o_proj": ("self_attn", ("o_proj",)),
+          "gate_up_proj": ("mlp", ("gate_proj", "up_proj")), "down_proj": ("mlp", ("down_proj",))}
+
+
+def _trained_policy_and_engine(model_dir, cfg):
+    """A PolicyWorker after one real GRPO update on rollouts from an engine built as start_workers builds it."""
+    import random
+
+    from cluster.runtime import rollout_config
+    from embedded.math_task import make_problem, reward
+    from embedded.tiny_model import chat_prompt
+    from rollout.engine import RolloutWorker
+    from trainer.policy import PolicyWorker
+
+    policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
+    engine = RolloutWorker(model_dir, rollout_config(cfg), run_dir=Path(cfg.run_dir) / "rollout")
+    rng = random.Random(0)
+    rows = [make_problem(rng) for _ in range(cfg.grpo.num_prompts_per_step)]
+    outs = engine.generate([chat_prompt(engine.tokenizer, r["question"]) for r in rows],
+                           n=cfg.grpo.num_generations_per_prompt, max_tokens=16, seed=0)
+    rewards = [reward(s["text"], r["answer"]) for o, r in zip(outs, rows, strict=True) for s in o["samples"]]
+    rewards[0] = 1.0 - rewards[0]  # at least one group with mixed rewards: a non-zero update
+    m = policy.train_step(outs, rewards, step=1)
+    assert m["train/optimizer_updates"] >= 1
+    return policy, engine
+
+
+def _assert_engine_holds_trainer_fp8(policy, engine, first: int, last: int) -> int:
+    trainer = {name: mod.quantized_weight() for name, mod in policy.model.named_modules()
+               if hasattr(mod, "quantized_weight")}
+    fp8_layers = set(range(first, 4 - last))
+    assert trainer and {int(n.split(".")[2]) for n in trainer} == fp8_layers
+    def held_by_engine(model):  # {fused linear: [(FP8 data, scale) per partition] or None when not FP8}
+        return {name: [(q.data.clone(), q.scale.clone()) for q in m.quant_method.partitions(m)]
+                if hasattr(m.quant_method, "partitions") else None
+                for name, m in model.named_modules() if name.endswith(tuple(_FUSED))}
+
+    checked = 0
+    for name, held in engine.llm.apply_model(held_by_engine)[0].items():
+        layer = int(name.split(".")[2])
+        if layer not in fp8_layers:
+            assert held is None, name
+            continue
+        sub, parts = _FUSED[name.rsplit(".", 1)[1]]
+        assert len(held) == len(parts)
+        for (d, sc), part in zip(held, parts, strict=True):
+            q = trainer[f"model.layers.{layer}.{sub}.{part}"]
+            assert torch.equal(d.view(torch.uint8), q.data.view(torch.uint8)), (name, part)
+            assert torch.equal(sc, q.scale), (name, part)
+            checked += 1
+    assert checked == len(trainer)
+    return checked
+
+
+def _engine_vs_trainer_outputs(policy, engine, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One FP8 linear (down_proj of ``layer``) on the same BF16 input tensor in the engine and in the trainer."""
+    x = (torch.randn(7, policy.model.config.intermediate_size, generator=torch.Generator().manual_seed(4)) * 2
+         ).to(torch.bfloat16)
+    name = f"model.layers.{layer}.mlp.down_proj"
+    y_engine = engine.llm.apply_model(lambda model: (lambda m: m.quant_method.apply(m, x))(model.get_submodule(name)))[0]
+    with torch.no_grad():
+        y_trainer = policy.model.get_submodule(name)(x)
+    return y_engine, y_trainer
+
+
+def test_pipeline_refit_after_a_real_update_is_bit_identical_to_trainer(model_dir, tmp_path):
+    """FP32-master refit (what an FP8-generation-only engine gets): the engine quantizes exactly as the trainer."""
+    cfg = _cfg(tmp_path)
+    policy, engine = _trained_policy_and_engine(model_dir, cfg)
+    try:
+        engine.refit(policy.weights(), weights_version=1)
+        _assert_engine_holds_trainer_fp8(policy, engine, first=1, last=0)
+        # the old BF16 refit is not a no-op on trained weights: this test would have caught it
+        masters = policy.model.state_dict()
+        differ = sum(not torch.equal(quantize(masters[f"{n}.weight"].to(torch.bfloat16), "block128", pow2=True)
+                                     .data.view(torch.uint8), m.quantized_weight().data.view(torch.uint8))
+                     for n, m in policy.model.named_modules() if hasattr(m, "quantized_weight"))
+        assert differ > 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("recipe,pow2,first,last", [("blockwise", True, 1, 0), ("rowwise", False, 0, 1),
+                                                     ("tensorwise", True, 1, 1)])
+def test_fp8_refit_per_recipe_bit_identical_weights_and_outputs(model_dir, tmp_path, recipe, pow2, first, last):
+    """End-to-end FP8 through the pipeline's refit (PolicyWorker.refit_weights: FP8 codes + scales over the wire):
+    per recipe the engine holds the trainer's quantization and its linears return the trainer's outputs."""
+    cfg = _cfg(tmp_path, recipe, pow2, first, last)
+    policy, engine = _trained_policy_and_engine(model_dir, cfg)
+    try:
+        payload = policy.refit_weights()
+        fp8_names = [n for n in payload if n.endswith("_scale_inv")]
+        assert fp8_names and all(payload[n[:-len("_scale_inv")]].dtype == torch.uint8 for n in fp8_names)  # bytes
+        import pickle
+
+        payload = pickle.loads(pickle.dumps(payload))  # crosses Ray's object store pickled
+        engine.refit(payload, weights_version=1)
+        _assert_engine_holds_trainer_fp8(policy, engine, first, last)
+        y_engine, y_trainer = _engine_vs_trainer_outputs(policy, engine, first)
+        assert torch.equal(y_engine, y_trainer)
+        bytes_fp8 = sum(t.numel() * t.element_size() for t in payload.values())
+        bytes_fp32 = sum(t.numel() * t.element_size() for t in policy.weights().values())
+        assert bytes_fp8 < 0.45 * bytes_fp32
+    finally:
+        engine.shutdown()
+
+
+def test_refit_refuses_bad_fp8_payloads_and_stale_kv_scales(model_dir, tmp_path):
+    cfg = _cfg(tmp_path)
+    from cluster.runtime import rollout_config
+    from rollout.engine import RolloutWorker
+    from trainer.policy import PolicyWorker
+
+    policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
+    engine = RolloutWorker(model_dir, rollout_config(cfg), run_dir=tmp_path / "rollout")
+    try:
+        payload = policy.refit_weights()
+        name = "model.layers.2.mlp.up_proj.weight"
+        for bad, match in [({name + "_scale_inv": payload[name + "_scale_inv"][:1]}, "weight_scale_inv"),
+                           ({name: payload[name].to(torch.bfloat16)}, "float8_e4m3fn"),
+                           ({name: payload[name].view(torch.float8_e4m3fn)[:1]}, "shape"),
+                           ({"model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(1)}, "does not have")]:
+            with pytest.raises(ValueError, match=match):
+                engine.refit({**payload, **bad})
+        fresh = {"k_scale": [0.01] * 4, "v_scale": [0.01] * 4, "version": 3}
+        engine.refit(payload, fresh, weights_version=3)  # lag 0: accepted
+        with pytest.raises(ValueError, match="stale KV scales: computed from the policy of step 3.*step 4"):
+            engine.refit(payload, weights_version=4)  # the kept scales are now one step old (period 1: lag 0)
+        with pytest.raises(ValueError, match="stale KV scales"):
+            engine.refit(payload, {**fresh, "version": 1}, weights_version=3)
+    finally:
+        engine.shutdown()

@@ -1,0 +1,150 @@
+"""The fp8core vLLM quantization method in an engine: layer selection, FP8 weights held after refit bit-identical to
+fp8core.quantize, FP8 engine tracking the FP8 trainer (per-recipe layer numerics: test_vllm_fp8_recipes.py). The engine here keeps a BF16 KV cache,
+so these tests run on every CPU kind (vLLM's FP8 KV cache needs AVX-512/AMX); the FP8 KV cache and its scales are
+tested in tests/rollout/test_fp8_kv_cache.py (native where the CPU has it, emulated everywhere)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8core.quant import quantize
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "runs" / "test-env" / "models"
+FIRST_BF16 = 1
+POW2_W = True
+
+pytestmark = pytest.mark.slow  # imports vLLM (~10 s)
+
+
+def test_layer_selection_follows_fp8_layer_indices():
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from rollout.vllm_fp8 import Fp8CoreConfig, Fp8CoreLinearMethod, quantization_config_dict
+
+    cfg = Fp8CoreConfig.from_config(quantization_config_dict(num_hidden_layers=6, num_first_layers_in_bf16=1,
+                                                                  num_last_layers_in_bf16=2))
+    assert sorted(cfg.fp8_layers) == [1, 2, 3]
+
+    class FakeLinear(torch.nn.Module):
+        pass
+
+    from vllm.model_executor.layers.linear import LinearBase
+
+    lin = FakeLinear.__new__(LinearBase)  # isinstance check only; no vLLM config needed
+    kinds = {i: type(cfg.get_quant_method(lin, f"model.layers.{i}.self_attn.qkv_proj")) for i in range(6)}
+    assert kinds == {0: UnquantizedLinearMethod, 1: Fp8CoreLinearMethod, 2: Fp8CoreLinearMethod,
+                     3: Fp8CoreLinearMethod, 4: UnquantizedLinearMethod, 5: UnquantizedLinearMethod}
+    assert cfg.get_quant_method(torch.nn.Embedding(2, 2), "lm_head") is None
+    with pytest.raises(ValueError, match="exceeds"):
+        quantization_config_dict(num_hidden_layers=2, num_first_layers_in_bf16=2, num_last_layers_in_bf16=1)
+    with pytest.raises(ValueError, match="unknown keys.*bogus"):
+        Fp8CoreConfig.from_config({"num_hidden_layers": 2, "bogus": 1})
+
+
+# ------------------------------------------------------------------------------------------- engine tests
+@pytest.fixture(scope="module")
+def model_dir():
+    from diagnostics.mismatch import quick_sft_model
+
+    return quick_sft_model(MODELS)
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir, tmp_path_factory):
+    from rollout.engine import RolloutConfig, RolloutWorker
+
+    cfg = RolloutConfig(precision="fp8", kv_cache_dtype="auto", num_first_layers_in_bf16=FIRST_BF16,
+                        pow2_weight_scaling_factors=POW2_W, kv_cache_memory_bytes=16 << 20, max_model_len=256)
+    w = RolloutWorker(model_dir, cfg, run_dir=tmp_path_factory.mktemp("fp8-run"))
+    yield w
+    w.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(worker):
+    import random
+
+    from embedded.math_task import make_problem
+    from embedded.tiny_model import chat_prompt
+
+    rng = random.Random(0)
+    return [chat_prompt(worker.tokenizer, make_problem(rng)["question"]) for _ in range(6)]
+
+
+def _fp8_trainer(model_dir, state_dict=None):
+    from diagnostics.mismatch import load_trainer_model
+
+    model = load_trainer_model(model_dir, fp8=True, num_first_layers_in_bf16=FIRST_BF16, pow2_weight=POW2_W)
+    if state_dict is not None:
+        model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state_dict.items()})
+    return model
+
+
+def _error(model, results) -> float:
+    from diagnostics.mismatch import flatten_results, mismatch, trainer_logprobs
+
+    ps, rs, lps = flatten_results(results)
+    return mismatch(trainer_logprobs(model, ps, rs), lps)["mismatch/token_mult_prob_error"]
+
+
+def _engine_weights(worker) -> dict:
+    def grab(model):
+        return {name: (m.weight.data.clone(), getattr(m, "weight_scale_inv", None), list(getattr(m, "logical_widths",
+                                                                                                  [])))
+                for name, m in model.named_modules() if name.endswith(("qkv_proj", "o_proj", "gate_up_proj",
+                                                                       "down_proj"))}
+
+    return worker.llm.apply_model(grab)[0]
+
+
+_FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o_proj": ("self_attn", ("o_proj",)),
+          "gate_up_proj": ("mlp", ("gate_proj", "up_proj")), "down_proj": ("mlp", ("down_proj",))}
+
+
+def test_refit_fp8_weights_bit_identical_to_fp8core_quantize(worker, checkpoint):
+    gen = torch.Generator().manual_seed(1)
+    new = {k: v.float() + 0.01 * torch.randn(v.shape, generator=gen) for k, v in checkpoint.items()}  # FP32 masters
+    try:
+        worker.refit(new)
+        held = _engine_weights(worker)
+        checked = 0
+        for name, (data, scale, _) in held.items():
+            layer = int(name.split(".")[2])
+            if layer < FIRST_BF16:
+                assert data.dtype != torch.float8_e4m3fn and scale is None, name
+                continue
+            assert data.dtype == torch.float8_e4m3fn, name
+            kind = name.rsplit(".", 1)[1]
+            sub, parts = _FUSED[kind]
+            row = srow = 0
+            for part in parts:
+                q = quantize(new[f"model.layers.{layer}.{sub}.{part}.weight"], "block128", fmt="e4m3", pow2=POW2_W)
+                n, nb = q.data.shape[0], q.scale.shape[0]
+                assert torch.equal(data[row:row + n].view(torch.uint8), q.data.view(torch.uint8)), (name, part)
+                assert torch.equal(scale[srow:srow + nb], q.scale), (name, part)
+                assert bool((torch.log2(q.scale) == torch.round(torch.log2(q.scale))).all())  # pow2 honoured
+                row, srow, checked = row + n, srow + nb, checked + 1
+            assert row == data.shape[0]
+        assert checked == 7 * (4 - FIRST_BF16)
+    finally:
+        worker.refit(checkpoint)
+
+
+def test_fp8_engine_matches_fp8_trainer_after_refit(worker, model_dir, checkpoint, prompts):
+    assert worker.stats()["kv_mode"] == "bf16"  # no FP8 KV cache: these tests run on every CPU kind
+    old = _fp8_trainer(model_dir)
+    before = _error(old, worker.generate(prompts, n=4, max_tokens=24, seed=1))
+    gen = torch.Generator().manual_seed(2)
+    new = {k: v.float() + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen) if v.dim() > 1 else v.float()
+           for k, v in checkpoint.items()}
+    try:
+        seconds = worker.refit(new)
+        after = worker.generate(prompts, n=4, max_tokens=24, seed=1)
+        err_new, err_old = _error(_fp8_trainer(model_dir, new), after), _error(old, after)
+        print(f"fp8 refit {seconds * 1e3:.1f} ms; vs FP8 trainer: before refit {before:.4f}, after refit vs new "
+              f"{err_new:.4f}, vs old {err_old:.4f}")
+        assert before < 1.05 and err_new < 1.05
+        assert err_old > err_new + 0.1
+    finally:
+        worker.refit(checkpoint)

@@ -1,0 +1,174 @@
+"""FP8 on the tiny Qwen3-MoE through the pipeline's refit path (issue 14): after a real trainer update and
+``PolicyWorker.refit_weights()`` -> ``RolloutWorker.refit``, the engine's experts hold the trainer's FP8 codes and
+scales bit for bit (each expert's gate / up / down, 128x128 blocks), each expert layer's output for the same inputs
+and routing is bit-identical to the trainer's, the router is FP32 on both sides and routes the same, the whole
+engine tracks the FP8 trainer (token-mult-prob-error), and KV-scale calibration runs on the MoE trainer."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs.schema import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "runs" / "test-env" / "models"
+FIRST = 1  # layer 0 kept in BF16: its experts are high precision on both sides
+
+pytestmark = pytest.mark.slow  # vLLM engine + a real train step
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from diagnostics.mismatch import quick_sft_model
+
+    return quick_sft_model(MODELS, moe=True, steps=20)
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir, tmp_path_factory):
+    import random
+
+    from cluster.runtime import rollout_config
+    from embedded.math_task import make_problem, reward
+    from embedded.tiny_model import chat_prompt
+    from rollout.engine import RolloutWorker
+    from trainer.policy import PolicyWorker
+
+    tmp = tmp_path_factory.mktemp("moe")
+    f8 = "policy.megatron_cfg.fp8_cfg"
+    cfg = load_config(ROOT / "configs" / "tiny_moe_fp8_e2e.yaml", [
+        "policy.precision=float32", "policy.optimizer.lr=1e-3", "policy.train_global_batch_size=8",
+        "policy.train_micro_batch_size=4", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
+        f"{f8}.num_first_layers_in_bf16={FIRST}", f"{f8}.pow2_weight_scaling_factors=true",
+        "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={tmp}"])
+    policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
+    engine = RolloutWorker(model_dir, rollout_config(cfg), run_dir=tmp / "rollout")
+    rng = random.Random(0)
+    rows = [make_problem(rng) for _ in range(2)]
+    prompts = [chat_prompt(engine.tokenizer, r["question"]) for r in rows]
+    outs = engine.generate(prompts, n=4, max_tokens=16, seed=0)
+    rewards = [reward(s["text"], r["answer"]) for o, r in zip(outs, rows, strict=True) for s in o["samples"]]
+    rewards[0] = 1.0 - rewards[0]
+    assert policy.train_step(outs, rewards, step=1)["train/optimizer_updates"] >= 1
+    engine.refit(policy.refit_weights(), weights_version=1)
+    yield policy, engine, prompts
+    engine.shutdown()
+
+
+def _experts(model, layer: int):
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    return next(m for m in model.model.layers[layer].mlp.experts.modules() if isinstance(m, RoutedExperts))
+
+
+def test_engine_experts_hold_the_trainers_fp8_weights_bit_for_bit(pair):
+    policy, engine, _ = pair
+    from fp8core.moe import FP8Experts
+
+    n_layers = policy.model.config.num_hidden_layers
+    assert not isinstance(policy.model.model.layers[0].mlp.experts, FP8Experts)  # BF16-kept layer
+    checked = 0
+    for layer in range(FIRST, n_layers):
+        ex = policy.model.model.layers[layer].mlp.experts
+        assert isinstance(ex, FP8Experts) and ex.fp8_enabled
+        held = engine.llm.apply_model(lambda m, i=layer, k=ex.num_experts: [
+            {p: (q.data.clone(), q.scale.clone()) for p, q in _experts(m, i).quant_method.expert_weights(
+                _experts(m, i), e).items()} for e in range(k)])[0]
+        for e in range(ex.num_experts):
+            for part in ("gate", "up", "down"):
+                q = ex.quantized_weight(e, part)
+                d, sc = held[e][part]
+                assert torch.equal(d.view(torch.uint8), q.data.view(torch.uint8)), (layer, e, part)
+                assert torch.equal(sc, q.scale), (layer, e, part)
+                assert bool((torch.log2(sc) == torch.round(torch.log2(sc))).all())  # pow2 honoured
+                checked += 1
+    assert checked == 3 * 8 * (n_layers - FIRST)
+
+
+def test_expert_layer_and_router_outputs_bit_identical_for_the_same_inputs(pair):
+    policy, engine, _ = pair
+    h = policy.model.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, h, generator=gen) * 2).to(torch.bfloat16)
+    for layer in (0, FIRST, policy.model.config.num_hidden_layers - 1):
+        mlp = policy.model.model.layers[layer].mlp
+
+        def engine_side(m, i=layer):
+            blk = m.model.layers[i].mlp
+            logits = blk.gate(x)[0]
+            ex = _experts(m, i)
+            w, ids = blk.experts.router.select_experts(hidden_states=x, router_logits=logits,
+                                                        topk_indices_dtype=None)
+            return logits, w, ids, ex.quant_method.apply(ex, x, w, ids)
+
+        logits_e, w_e, ids_e, y_e = engine.llm.apply_model(engine_side)[0]
+        with torch.no_grad():
+            logits_t, w_t, ids_t = mlp.gate(x)
+            assert logits_e.dtype == logits_t.dtype == torch.float32
+            torch.testing.assert_close(logits_e, logits_t, rtol=1e-6, atol=1e-6)
+            assert torch.equal(ids_e.long(), ids_t) and torch.equal(w_e, w_t), layer  # same routing rule
+            y_t = mlp.experts(x, ids_e.long(), w_e)
+        if layer >= FIRST:  # FP8 experts: bit for bit
+            assert torch.equal(y_e, y_t), layer
+        else:  # BF16-kept experts: engine BF16 GEMMs vs trainer FP32 masters (close, not equal)
+            torch.testing.assert_close(y_e.float(), y_t.float(), rtol=0.05, atol=0.05)
+
+
+def test_fp8_moe_engine_tracks_the_fp8_trainer_and_kv_calibration_runs(pair):
+    policy, engine, prompts = pair
+    from diagnostics.mismatch import flatten_results, mismatch, trainer_logprobs
+
+    outs = engine.generate(prompts, n=4, max_tokens=24, seed=1)
+    ps, rs, lps = flatten_results(outs)
+    policy.model.eval()
+    err = mismatch(trainer_logprobs(policy.model, ps, rs), lps)["mismatch/token_mult_prob_error"]
+    print(f"MoE FP8 engine vs FP8 trainer token_mult_prob_error {err:.4f}")
+    assert err < 1.05
+    scales = policy.calibrate_kv_scales(outs, max_samples=8)
+    n = policy.model.config.num_hidden_layers
+    assert len(scales["k_scale"]) == n and all(s > 0 for s in scales["k_scale"] + scales["v_scale"])
+    engine.refit(policy.refit_weights(), kv_scales=scales, weights_version=policy.step)  # the engine takes them
+
+
+def test_routing_capture_and_replay(pair):
+    """The engine returns each token's experts; the trainer's own choice mostly agrees; with replay on the trainer
+    uses exactly the engine's experts; moe/* metrics are logged by train_step."""
+    from diagnostics.mismatch import mismatch
+    from fp8core.moe import routers
+    from trainer.policy import Batch
+
+    policy, engine, prompts = pair
+    outs = engine.generate(prompts, n=4, max_tokens=24, seed=5, routing=True)
+    smp = outs[0]["samples"][0]
+    seq = outs[0]["prompt_token_ids"] + smp["token_ids"]
+    n_layers = policy.model.config.num_hidden_layers
+    assert smp["routed_experts"].shape == (len(seq), n_layers, 2) and smp["routed_experts"].dtype == torch.int16
+    assert int(smp["routed_experts"].min()) >= 0 and int(smp["routed_experts"].max()) < 8
+    assert torch.equal(engine.routed_experts(seq), smp["routed_experts"])  # deterministic
+    assert "routed_experts" not in engine.generate(prompts[:1], n=1, max_tokens=4)[0]["samples"][0]  # opt-in
+
+    b = Batch.from_rollouts(outs, pad_id=policy.tokenizer.pad_token_id)
+    errs = {}
+    for replay in (False, True):
+        policy.router_replay = replay
+        lp = policy.logprobs(b)[0]
+        errs[replay] = mismatch([lp[i][b.mask[i].bool()] for i in range(len(b))],
+                                [s["logprobs"] for o in outs for s in o["samples"]])["mismatch/token_mult_prob_error"]
+    # the last forward (replay on, the whole batch in one logprob batch) used the engine's experts
+    r0 = routers(policy.model)[0][1]
+    order = torch.argsort(b.attn.sum(1), descending=True, stable=True)  # logprobs() batches rows longest-first
+    w = r0.last_ids.shape[0] // len(b)
+    eng = b.routing[order][:, :w, 0].reshape(-1, 2)
+    real = b.attn[order][:, :w].reshape(-1).bool()
+    assert torch.equal(r0.last_ids[real], eng[real])
+    own_diff = (r0.last_own_ids[real].sort(-1).values != eng[real].sort(-1).values).any(-1).float().mean()
+    print(f"MoE FP8: routing mismatch {float(own_diff):.4f}; token_mult_prob_error replay off {errs[False]:.5f}, "
+          f"on {errs[True]:.5f}")
+    assert float(own_diff) < 0.2
+    assert errs[True] <= errs[False] + 1e-3
+    policy.router_replay = True
+    rewards = [float(i % 2) for i in range(8)]
+    m = policy.train_step(outs, rewards, step=2)
+    policy.router_replay = False
+    assert m["moe/router_replay"] == 1.0 and 0.0 <= m["moe/routing_mismatch_frac"] < 0.2
+    assert m["moe/expert_load_max"] >= 1.0 >= m["moe/expert_load_min"] >= 0.0 and m["moe/expert_load_cv"] >= 0.0

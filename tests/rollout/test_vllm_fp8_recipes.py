@@ -1,0 +1,98 @@
+"""The ``fp8core`` vLLM method in every trainer recipe (blockwise, rowwise, tensorwise; pow2 on/off): a fused layer
+(qkv_proj-like, partitions and K not multiples of 128) holds exactly the trainer's ``FP8Linear.quantized_weight()``
+per partition and, for the same input tensor, returns exactly the trainer's separate FP8Linear outputs."""
+import pytest
+import torch
+
+from fp8core.linear import RECIPES, FP8Linear, FP8LinearConfig
+
+pytestmark = pytest.mark.slow  # imports vLLM (~10 s)
+
+
+def _layer(recipe, widths, k, *, pow2_w, pow2_a):
+    from rollout.vllm_fp8 import Fp8CoreConfig, Fp8CoreLinearMethod, quantization_config_dict
+
+    cfg = Fp8CoreConfig.from_config(quantization_config_dict(
+        num_hidden_layers=2, fp8_recipe=recipe, pow2_weight_scaling_factors=pow2_w,
+        pow2_activation_scaling_factors=pow2_a))
+    method = Fp8CoreLinearMethod(cfg)
+    layer = torch.nn.Module()
+    method.create_weights(layer, k, list(widths), k, sum(widths), torch.bfloat16, weight_loader=None)
+    return method, layer
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("widths,k,pow2", [((256, 128, 128), 256, False), ((200, 72, 72), 300, True)])
+def test_engine_layer_equals_trainer_fp8linear(recipe, widths, k, pow2, single_rank):
+    gen = torch.Generator().manual_seed(0)
+    # FP32 masters off the BF16 grid (what refit ships), one partition with an outlier row
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for n in widths]
+    weights[1][3] *= 40
+    method, layer = _layer(recipe, widths, k, pow2_w=pow2, pow2_a=pow2)
+    layer.weight.data.copy_(torch.cat(weights))
+    method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == torch.float8_e4m3fn
+    assert layer.weight_block_size == ([128, 128] if recipe == "blockwise" else None)
+    cfg = FP8LinearConfig(recipe=recipe, pow2_weight=pow2, pow2_activation=pow2)
+    trainers = []
+    for w, held in zip(weights, method.partitions(layer), strict=True):
+        lin = FP8Linear(k, w.shape[0], bias=False, config=cfg)
+        lin.weight.data.copy_(w)
+        q = lin.quantized_weight()
+        assert held.granularity == q.granularity
+        assert torch.equal(held.data.view(torch.uint8), q.data.view(torch.uint8))
+        assert torch.equal(held.scale, q.scale)
+        trainers.append(lin)  # FP32 master, as in the trainer
+    x = (torch.randn(5, k, generator=gen) * 3).to(torch.bfloat16)
+    y = method.apply(layer, x)
+    with torch.no_grad():
+        expected = torch.cat([lin(x) for lin in trainers], dim=-1)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+
+
+def test_config_rejects_unknown_recipe_and_mismatched_block_size():
+    from rollout.vllm_fp8 import Fp8CoreConfig, quantization_config_dict
+
+    with pytest.raises(ValueError, match="fp8_recipe='blocky'"):
+        quantization_config_dict(num_hidden_layers=2, fp8_recipe="blocky")
+    with pytest.raises(ValueError, match="weight_block_size must be None for fp8_recipe='rowwise'"):
+        Fp8CoreConfig.from_config({"num_hidden_layers": 2, "fp8_recipe": "rowwise", "weight_block_size": [128, 128]})
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_prequantized_codes_and_scales_are_kept_bit_for_bit(recipe, single_rank):
+    """FP8 over the wire / an FP8 export: the trainer's FP8 codes + scales, loaded per partition through the scale
+    loader (shard ids as vLLM's stacked-parameter mapping passes them), are held as they are -- no re-quantization."""
+    gen = torch.Generator().manual_seed(3)
+    widths, k, shards = (256, 128, 128), 256, ("q", "k", "v")
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for n in widths]
+    method, layer = _layer(recipe, widths, k, pow2_w=True, pow2_a=False)
+    cfg = FP8LinearConfig(recipe=recipe, pow2_weight=True)
+    trainer_q = []
+    for w in weights:
+        lin = FP8Linear(k, w.shape[0], bias=False, config=cfg)
+        lin.weight.data.copy_(w)
+        trainer_q.append(lin.quantized_weight())
+    layer.weight.data.copy_(torch.cat([q.data.to(torch.float32) for q in trainer_q]))  # FP8 codes, staged in FP32
+    for shard, q in zip(shards, trainer_q, strict=True):
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, q.scale, shard)
+    method.process_weights_after_loading(layer)
+    for held, q in zip(method.partitions(layer), trainer_q, strict=True):
+        assert torch.equal(held.data.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(held.scale, q.scale)
+
+
+def test_prequantized_load_refuses_partial_scales_and_non_fp8_values(single_rank):
+    method, layer = _layer("blockwise", (128, 128), 128, pow2_w=False, pow2_a=False)
+    layer.weight.data.normal_()  # not FP8 codes
+    one = torch.ones(1, 1)
+    layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, one, 0)
+    with pytest.raises(ValueError, match="scales for partitions \\[0\\] of 2"):
+        method.process_weights_after_loading(layer)
+    method, layer = _layer("blockwise", (128, 128), 128, pow2_w=False, pow2_a=False)
+    layer.weight.data.normal_()
+    for shard in (0, 1):
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, one, shard)
+    with pytest.raises(ValueError, match="not FP8"):
+        method.process_weights_after_loading(layer)
+    with pytest.raises(ValueError, match="shape \\(2, 1\\)"):
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, torch.ones(2, 1), 0)

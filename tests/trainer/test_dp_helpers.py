@@ -1,0 +1,86 @@
+"""trainer.dp's world-size-invariance helpers, without a process group: share_batches rebuilds the single worker's
+no-grad batches on every rank, clip_grad_norm clips as torch does but with a float64 norm."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from trainer.dp import DPGroup, clip_grad_norm, share_batches
+
+
+def _batches(rows: torch.Tensor, lengths: torch.Tensor, bs: int) -> list[list[int]]:
+    """What a rank's longest-first batching (PolicyWorker._local_logprobs) makes of ``rows``."""
+    order = torch.argsort(lengths[rows], descending=True, stable=True)
+    return [rows[order[i:i + bs]].tolist() for i in range(0, len(rows), bs)]
+
+
+@pytest.mark.parametrize("n,bs,world", [(8, 2, 2), (7, 2, 2), (9, 4, 3), (5, 2, 4), (3, 8, 2), (16, 3, 3)])
+def test_ranks_rebuild_exactly_the_single_workers_batches(n, bs, world):
+    g = torch.Generator().manual_seed(n * 100 + bs * 10 + world)
+    lengths = torch.randint(3, 6, (n,), generator=g)  # many ties: the stable order matters
+    single = _batches(torch.arange(n), lengths, bs)
+    assert share_batches(lengths, bs, DPGroup()).tolist() == [r for b in single for r in b]
+    ranks = []
+    for rank in range(world):
+        mine = share_batches(lengths, bs, DPGroup(rank=rank, world=world))
+        ranks += _batches(mine, lengths, bs) if len(mine) else []
+    assert ranks == single  # the same batches, each on one rank, in order
+
+
+def test_no_rows_make_no_batches():
+    from trainer.dp import longest_first_batches
+
+    assert longest_first_batches(torch.zeros(0, dtype=torch.long), 4) == []
+    for world in (1, 2):
+        assert share_batches(torch.zeros(0, dtype=torch.long), 4, DPGroup(rank=0, world=world)).numel() == 0
+
+
+def test_a_plain_share_of_rows_would_regroup_them():
+    """What the no-grad passes did before: each rank batched its contiguous share of the rows."""
+    lengths, bs, world = torch.tensor([2, 5, 3, 4]), 2, 2
+    single = _batches(torch.arange(4), lengths, bs)
+    assert single == [[1, 3], [2, 0]]
+    naive = [b for r in range(world) for b in _batches(DPGroup(rank=r, world=world).share(torch.arange(4)),
+                                                        lengths, bs)]
+    assert naive == [[1, 0], [3, 2]]
+    shared = [b for r in range(world) for b in _batches(share_batches(lengths, bs, DPGroup(rank=r, world=world)),
+                                                         lengths, bs)]
+    assert shared == single
+
+
+def _model_with_grads(seed: int, scale: float) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(64, 300), nn.Linear(300, 7))
+    for p in m.parameters():
+        p.grad = torch.randn_like(p) * scale
+    return m
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3])
+def test_clip_matches_torch_and_its_norm_is_float64(scale):
+    a, b = _model_with_grads(0, scale), _model_with_grads(0, scale)
+    exact = math.sqrt(sum(float(p.grad.double().square().sum()) for p in a.parameters()))
+    ours = clip_grad_norm(a.parameters(), 1.0, DPGroup())
+    theirs = float(torch.nn.utils.clip_grad_norm_(b.parameters(), 1.0))
+    assert ours == pytest.approx(exact, rel=1e-12)
+    assert theirs == pytest.approx(exact, rel=1e-5)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=0)
+    total_after = math.sqrt(sum(float(p.grad.double().square().sum()) for p in a.parameters()))
+    assert total_after == pytest.approx(min(exact, 1.0), rel=1e-5)
+
+
+def test_non_finite_gradients_are_reported_and_left_alone():
+    m = _model_with_grads(1, 1.0)
+    m[0].weight.grad[0, 0] = float("nan")
+    before = [p.grad.clone() for p in m.parameters()]
+    assert math.isnan(clip_grad_norm(m.parameters(), 1.0, DPGroup()))
+    for x, p in zip(before, m.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, x, rtol=0, atol=0, equal_nan=True)
+    m[0].weight.grad[0, 0] = float("inf")
+    assert clip_grad_norm(m.parameters(), 1.0, DPGroup()) == float("inf")
+
+
+def test_no_gradients_is_a_zero_norm():
+    assert clip_grad_norm(nn.Linear(3, 3).parameters(), 1.0, DPGroup()) == 0.0

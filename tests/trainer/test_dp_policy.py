@@ -1,0 +1,237 @@
+"""Data-parallel trainers (issue 13, item 2): ``cluster.policy_workers=2`` FSDP2-sharded PolicyWorkers -- Ray actors
+in one gloo process group, started as the pipeline starts them (cluster.runtime.start_policy_workers) -- against one
+worker on the same batch.
+
+Tolerances. The batch (8 rows: 2 prompts x 4 samples) is split into 2 optimizer updates of 4 rows and micro-batches of
+2 rows; with 2 ranks each takes 2 rows of an update, i.e. exactly one micro-batch of the single-worker run. The
+forwards therefore see the same rows in the same micro-batches, so FP8 rounding -- whose 1x128 activation and
+gradient groups run along tokens and would change with a different row split -- is identical, and only the order of
+the gradient sum (reduce-scatter vs local accumulation) differs: gradients agree to a relative L2 error of 1e-5
+(FP32 summation-order noise is ~1e-7; a wrong loss normalizer, e.g. the local instead of the global token count,
+is a factor 2). Weights after Adam's first, sign-like step are not compared elementwise; the gathered weights,
+refit payload and KV scales before training must be bit-identical. Checkpoints: 2 ranks -> 2 ranks resumes bit for
+bit (gradients and metrics); 2 -> 1 and 1 -> 2 restore the exact masters, and the next update's gradients agree to
+1e-5.
+
+The second update of a step is compared too (1e-5). It depends on two more things being world-size invariant:
+the clip coefficient (trainer.dp.clip_grad_norm sums the norm in float64 over shards and ranks; torch's FP32 norm
+differed by 5e-6 relative between 1 and 2 ranks) and the old logprobs of its rows, computed before the first update
+in no-grad batches (trainer.dp.share_batches gives each rank whole batches of the single worker's grouping; a share
+of rows regrouped them, and with emulated BF16 on an AVX2 CPU the second update's gradients differed by 2.4e-3).
+With both, this CPU (AVX2 EPYC) gives 0.0 for both updates in BF16 and FP8. Any ulp left in the masters could still
+flip E4M3 codes (one code step is 6-12% of a value) on another CPU, which is why later steps after a resume with
+another M are compared only on their first update."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs.schema import config_from_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+REWARDS = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+
+pytestmark = [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from embedded.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny",
+                            TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000))
+
+
+@pytest.fixture(scope="module")
+def ray_local(tmp_path_factory):
+    import ray
+
+    from cluster.runtime import init_ray
+    from configs.schema import Config
+
+    started = init_ray(Config(), tmp_path_factory.mktemp("ray-run"))
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _cfg(world: int, **over):
+    base = {"policy": {"train_global_batch_size": 4, "train_micro_batch_size": 2, "logprob_batch_size": 2,
+                       "threads": 1, "optimizer": {"lr": 1e-3}},
+            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "max_num_steps": 10},
+            "cluster": {"policy_workers": world}, "ray": {"policy_worker": {"num_cpus": 0.25}}}
+    return config_from_dict(base, [f"{k}={v}" for k, v in over.items()])
+
+
+def _rollouts(model_dir):
+    """2 prompts x 4 responses of different lengths; rollout logprobs -0.5 per token (an engine close to the policy
+    is not needed for gradient equivalence)."""
+    from transformers import AutoTokenizer
+
+    from embedded.tiny_model import chat_prompt
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = []
+    for i, q in enumerate(["What is 1 plus 2?", "What is 3 plus 4?"]):
+        p = tok(chat_prompt(tok, q), add_special_tokens=False).input_ids
+        samples = []
+        for j, guess in enumerate([("3", "7")[i], "5", "31", "2"]):
+            ids = tok(f"x = {guess}. The answer is \\boxed{{{guess}}}." + tok.eos_token,
+                      add_special_tokens=False).input_ids[: 8 + 3 * j]
+            samples.append({"token_ids": ids, "logprobs": [-0.5] * len(ids), "text": tok.decode(ids)})
+        out.append({"prompt_token_ids": p, "samples": samples})
+    return out
+
+
+def _start(cfg, model_dir, tmp_path, tag):
+    import ray
+
+    from cluster.runtime import start_policy_workers
+
+    names, handles = start_policy_workers(cfg, model_dir, tmp_path, tag, env={"OMP_NUM_THREADS": "1"})
+    info = ray.get([h.info.remote() for h in handles])
+    assert [(i["dp_rank"], i["dp_world"]) for i in info] == [(r, len(names)) for r in range(len(names))]
+    return names, handles
+
+
+def _kill(handles):
+    import ray
+
+    for h in handles:
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _grads_and_metrics(names, rollouts, step=1):
+    from cluster.runtime import policy_call
+
+    policy_call(names, "__ray_call__", lambda self: setattr(self, "record_gradients", True))
+    m = policy_call(names, "train_step", rollouts, REWARDS, step=step)
+    grads = policy_call(names, "__ray_call__", lambda self: self.recorded_gradients)
+    return grads, m
+
+
+def _updates(names):
+    """The full gradients of every optimizer update of the last train_step (before clipping)."""
+    from cluster.runtime import policy_call
+
+    return policy_call(names, "__ray_call__", lambda self: self.recorded_updates)
+
+
+def _norm(grads: dict) -> float:
+    return float(torch.stack([g.double().norm() for g in grads.values()]).norm())
+
+
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "bfloat16"])
+def test_two_ranks_match_one_worker(model_dir, ray_local, tmp_path, precision):
+    from cluster.runtime import policy_call
+
+    over = ({"policy.megatron_cfg.fp8_cfg.enabled": "true", "policy.precision": "bfloat16"}
+            if precision == "fp8_blockwise" else {"policy.precision": "bfloat16"})
+    ro = _rollouts(model_dir)
+    one, one_h = _start(_cfg(1, **over), model_dir, tmp_path, f"one-{precision}")
+    two, two_h = _start(_cfg(2, **over), model_dir, tmp_path, f"two-{precision}")
+    try:
+        # before training: the gathered masters (and the refit payload) are the single worker's, bit for bit
+        w1, w2 = policy_call(one, "weights"), policy_call(two, "weights")
+        assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+        r1, r2 = policy_call(one, "refit_weights"), policy_call(two, "refit_weights")
+        assert r1.keys() == r2.keys() and all(torch.equal(r1[k], r2[k]) for k in r1)
+        # KV-cache scales: each rank's share of the micro-batches, the 99.9th percentile over all of them
+        k1 = policy_call(one, "calibrate_kv_scales", ro, max_samples=8)
+        k2 = policy_call(two, "calibrate_kv_scales", ro, max_samples=8)
+        assert k1 == k2
+
+        g1, m1 = _grads_and_metrics(one, ro)
+        g2, m2 = _grads_and_metrics(two, ro)
+        assert g1.keys() == g2.keys() and len(g1) == len(w1)
+        worst = max((_rel(g2[k], g1[k]), k) for k in g1)
+        print(f"\n[{precision}: worst gradient relative L2 error 2 ranks vs 1: {worst[0]:.2e} ({worst[1]})]")
+        assert worst[0] < 1e-5, worst
+        # the second update: from masters the first moved (clipped by the same float64 norm), with old logprobs of
+        # its rows from the same batches as one worker's (trainer.dp.share_batches)
+        u1, u2 = _updates(one), _updates(two)
+        assert len(u1) == len(u2) == m1["train/optimizer_updates"] == 2
+        second = max((_rel(u2[1][k], u1[1][k]), k) for k in u1[1])
+        print(f"[{precision}: second update's worst gradient relative L2 error 2 ranks vs 1: {second[0]:.2e} "
+              f"({second[1]})]")
+        assert second[0] < 1e-5, second
+        # train/grad_norm: the mean over the updates of each one's norm before clipping, summed in float64
+        for m, u in ((m1, u1), (m2, u2)):
+            assert m["train/grad_norm"] == pytest.approx(sum(_norm(g) for g in u) / len(u), rel=1e-9)
+        for key in ("loss/total", "train/grad_norm", "mismatch/token_mult_prob_error", "policy/entropy",
+                    "clip/lower_neg_adv_frac", "train/optimizer_updates", "train/tokens"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-9), key
+        # after the step: the same parameters, moved by Adam's first (sign-like) step of lr 1e-3 from the same start
+        a1, a2 = policy_call(one, "weights"), policy_call(two, "weights")
+        for k in a1:
+            assert (a1[k] - a2[k]).abs().max() <= 2.01e-3, k
+        assert sum(int(((a1[k] - a2[k]).abs() > 1e-6).sum()) for k in a1) < 1e-3 * sum(v.numel() for v in a1.values())
+    finally:
+        _kill(one_h + two_h)
+
+
+def test_checkpoint_round_trip(model_dir, ray_local, tmp_path):
+    import ray
+
+    from cluster.runtime import policy_call, policy_refs
+
+    over = {"policy.megatron_cfg.fp8_cfg.enabled": "true", "policy.precision": "bfloat16"}
+    ro = _rollouts(model_dir)
+    uri = f"file://{tmp_path}/ck"
+    started = []
+    try:
+        two, h = _start(_cfg(2, **over), model_dir, tmp_path, "ck-two")
+        started += h
+        policy_call(two, "train_step", ro, REWARDS, step=1)
+        refs = policy_refs(two, "refit_weights")
+        assert ray.get(refs[1]) == {} and len(ray.get(refs[0])) > 0  # only rank 0 ships
+        saved = ray.get(policy_refs(two, "save_checkpoint", uri, 1, extra={"mlflow_run_id": "r"}))
+        assert saved[0].endswith("step_000001") and saved[1] is None  # rank 0 writes
+        w_two = policy_call(two, "weights")
+
+        # 2 -> 2: a resumed group continues exactly as the one that wrote the checkpoint
+        again, h = _start(_cfg(2, **over), model_dir, tmp_path, "ck-again")
+        started += h
+        st = policy_call(again, "load_checkpoint", uri, 1)
+        assert st["step"] == 1 and st["dp_world"] == 2 and st["mlflow_run_id"] == "r"
+        g_two, m_two = _grads_and_metrics(two, ro, step=2)
+        g_again, m_again = _grads_and_metrics(again, ro, step=2)
+        assert all(torch.equal(g_two[k], g_again[k]) for k in g_two)
+        assert {k: m_again[k] for k in m_two if not k.startswith("time/") and "per_s" not in k} == {
+            k: m_two[k] for k in m_two if not k.startswith("time/") and "per_s" not in k}
+        _kill(h)
+        started = [x for x in started if x not in h]
+
+        # 2 -> 1: the same masters and optimizer state on one worker; its first update's gradients are the group's
+        # (the second update's are not compared: FP8 codes of masters that differ by an ulp from the summation
+        # order of the first update's gradients may round differently)
+        one, h = _start(_cfg(1, **over), model_dir, tmp_path, "ck-one")
+        started += h
+        policy_call(one, "load_checkpoint", uri, 1)
+        w_one = policy_call(one, "weights")
+        assert w_one.keys() == w_two.keys() and all(torch.equal(w_one[k], w_two[k]) for k in w_two)
+        g_one, _ = _grads_and_metrics(one, ro, step=2)
+        assert max(_rel(g_one[k], g_two[k]) for k in g_two) < 1e-5
+
+        # 1 -> 2: the single worker's checkpoint resumes on 2 ranks with its exact masters
+        policy_call(one, "save_checkpoint", uri, 2)
+        back, h = _start(_cfg(2, **over), model_dir, tmp_path, "ck-back")
+        started += h
+        assert policy_call(back, "load_checkpoint", uri, 2)["step"] == 2
+        w_back, w_one = policy_call(back, "weights"), policy_call(one, "weights")
+        assert all(torch.equal(w_back[k], w_one[k]) for k in w_one)
+        g_back, _ = _grads_and_metrics(back, ro, step=3)
+        g_one, _ = _grads_and_metrics(one, ro, step=3)
+        assert max(_rel(g_back[k], g_one[k]) for k in g_one) < 1e-5
+    finally:
+        _kill(started)

@@ -1,0 +1,334 @@
+"""PolicyWorker on a 2-layer tiny Qwen3 (CPU): token alignment, GRPO train step, FP8 conversion, calibrations,
+non-finite skip, checkpoint resume determinism."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from configs.schema import Config, config_from_dict
+from trainer.policy import Batch, PolicyWorker, leave_one_out_advantages, lr_lambda
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from embedded.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny",
+                            TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000))
+
+
+def _cfg(**over) -> Config:
+    base = {"policy": {"train_global_batch_size": 4, "train_micro_batch_size": 2, "logprob_batch_size": 4,
+                       "optimizer": {"lr": 1e-3}},
+            "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 4, "max_num_steps": 10}}
+    return config_from_dict(base, [f"{k}={v}" for k, v in over.items()])
+
+
+def _rollouts(worker, answers=("3", "7")):
+    """Two prompts x 4 responses; rollout logprobs = the policy's own logprobs (a perfect rollout engine)."""
+    from embedded.tiny_model import chat_prompt
+
+    tok = worker.tokenizer
+    out = []
+    for i, q in enumerate(["What is 1 plus 2?", "What is 3 plus 4?"]):
+        p = tok(chat_prompt(tok, q), add_special_tokens=False).input_ids
+        samples = []
+        for j, guess in enumerate([answers[i], "5", answers[i] + "1", "2"]):
+            ids = tok(f"x = {guess}. The answer is \\boxed{{{guess}}}." + tok.eos_token, add_special_tokens=False).input_ids
+            ids = ids[: 8 + 3 * j]  # different lengths
+            samples.append({"token_ids": ids, "logprobs": [0.0] * len(ids), "text": tok.decode(ids)})
+        out.append({"prompt_token_ids": p, "samples": samples})
+    b = Batch.from_rollouts(out, pad_id=tok.pad_token_id)
+    lp, _ = worker.logprobs(b)
+    k = 0
+    for r in out:
+        for s in r["samples"]:
+            start = len(r["prompt_token_ids"])
+            s["logprobs"] = lp[k, start: start + len(s["token_ids"])].tolist()
+            k += 1
+    return out
+
+
+def test_batch_alignment():
+    ro = [{"prompt_token_ids": [5, 6], "samples": [{"token_ids": [7, 8, 9], "logprobs": [-1.0, -2.0, -3.0]},
+                                                    {"token_ids": [7], "logprobs": [-0.5]}]}]
+    b = Batch.from_rollouts(ro, pad_id=0)
+    assert b.tokens.tolist() == [[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]]
+    assert b.mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
+    assert b.rollout_logp[0].tolist() == [0, 0, -1, -2, -3] and b.attn[1].tolist() == [1, 1, 1, 0, 0]
+
+
+def test_lr_schedule_and_rloo():
+    kw = dict(warmup_steps=2, total_steps=12, min_lr_ratio=0.1)
+    assert [lr_lambda(s, decay="constant", **kw) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_lambda(12, decay="linear", **kw) == pytest.approx(0.1)
+    assert lr_lambda(7, decay="cosine", **kw) == pytest.approx(0.55)
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    assert leave_one_out_advantages(r, group_size=3).tolist() == pytest.approx([1.0, -0.5, -0.5, 0, 0, 0])
+
+
+def test_logprobs_match_manual_forward(model_dir):
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32"}))
+    ro = _rollouts(w)
+    b = Batch.from_rollouts(ro, pad_id=w.tokenizer.pad_token_id)
+    lp, ent = w.logprobs(b, want_entropy=True)
+    seq = b.tokens[0, : int(b.attn[0].sum())]
+    with torch.no_grad():
+        logits = w.model(input_ids=seq[None]).logits[0]
+    ref = torch.log_softmax(logits[:-1].double(), -1).gather(-1, seq[1:, None]).squeeze(-1)
+    assert torch.allclose(lp[0, 1: len(seq)].double(), ref, atol=1e-5)
+    assert (ent[b.mask.bool()] > 0).all()
+
+
+@pytest.mark.slow
+def test_train_step_learns_and_reports(model_dir):
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", "loss_fn.use_importance_sampling_correction":
+                                        "true"}))
+    ro = _rollouts(w)
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    b = Batch.from_rollouts(ro, pad_id=w.tokenizer.pad_token_id)
+
+    def seq_logp():
+        return (w.logprobs(b)[0] * b.mask).sum(1)
+
+    before = seq_logp()
+    m = w.train_step(ro, rewards, step=1)
+    assert m["mismatch/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-4)  # rollout logp == trainer logp
+    for key in ("clip/lower_neg_adv_frac", "clip/upper_pos_adv_frac", "policy/entropy", "response/length_mean",
+                "loss/pg", "train/grad_norm", "train/lr", "is/weight_mean", "reward/mean", "clip/bound_low",
+                "throughput/train_tokens_per_s", "time/policy_train_s"):
+        assert key in m, key
+    assert m["train/optimizer_updates"] == 2 and m["reward/mean"] == 0.25
+    for _ in range(3):
+        w.train_step(_rollouts(w), rewards, step=2)
+    delta = seq_logp() - before
+    # Rewarded samples (0 and 4) gain log-probability relative to the unrewarded ones of their group.
+    assert delta[0] > delta[1:4].max() and delta[4] > delta[5:8].max()
+
+
+@pytest.mark.slow
+def test_fp8_policy_calibrations_and_nonfinite_skip(model_dir):
+    cfg = _cfg(**{"policy.megatron_cfg.fp8_cfg.enabled": "true", "calibration.calibrated_clipping": "true",
+                  "calibration.clip_period": 1})
+    w = PolicyWorker(model_dir, cfg)
+    assert len(w.fp8_layers) == 2 * 7  # q,k,v,o,gate,up,down per decoder layer
+    assert w.bounds() == (0.6, 1.8)  # calibration.clip_init_*: the paper's start, not the BF16 reference
+    ro = _rollouts(w)
+    m = w.train_step(ro, [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0], step=1)
+    assert "calib/bound_low" in m and m["time/clip_calibration_s"] > 0
+    # FP8 vs its BF16 shadow differ, so the ratio-error amplification is a finite positive number
+    assert m["calib/prob_abs_err"] > 0 and 0 < m["calib/ratio_error_amplification"] < float("inf")
+    lo, hi = w.bounds()  # smoothing caps from calibration.clip_max_delta_{low,high}
+    assert abs(lo - 0.6) <= 0.05 + 1e-9 and abs(hi - 1.8) <= 0.1 + 1e-9
+    assert (m["clip/bound_low"], m["clip/bound_high"]) == w.bounds()
+    scales = w.calibrate_kv_scales(ro, max_samples=4)
+    assert len(scales["k_scale"]) == len(scales["v_scale"]) == 2 and min(scales["k_scale"]) > 0
+    before = {k: v.clone() for k, v in w.model.state_dict().items()}
+    m = w.train_step(ro, [float("nan")] + [0.0] * 7, step=2)
+    assert m["train/skipped_updates"] == 2 and m["train/optimizer_updates"] == 0
+    assert all(torch.equal(before[k], v) for k, v in w.model.state_dict().items())
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_is_deterministic(model_dir, tmp_path):
+    cfg = _cfg()
+    a = PolicyWorker(model_dir, cfg)
+    rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    a.train_step(_rollouts(a), rewards, step=1)
+    uri = a.save_checkpoint(f"file://{tmp_path}/ck", 1, extra={"mlflow_run_id": "r1"}, keep_last_k=1)
+    ro = _rollouts(a)
+    ma = a.train_step(ro, rewards, step=2)
+    b = PolicyWorker(model_dir, cfg)
+    state = b.load_checkpoint(f"file://{tmp_path}/ck")
+    assert state["step"] == 1 and state["mlflow_run_id"] == "r1" and uri.endswith("step_000001")
+    mb = b.train_step(ro, rewards, step=2)
+    assert mb["loss/total"] == pytest.approx(ma["loss/total"], rel=1e-6) and mb["train/lr"] == ma["train/lr"]
+    for (k, va), vb in zip(a.model.state_dict().items(), b.model.state_dict().values(), strict=True):
+        assert torch.equal(va, vb), k
+
+
+def test_train_lr_metric_is_the_lr_the_updates_used(model_dir):
+    # warmup_steps=2: the first RL step's updates run at lr/2, the second at lr; the metric must say so (it used to
+    # report the already-advanced LR of the next step).
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", "policy.scheduler.warmup_steps": 2}))
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert w.train_step(_rollouts(w), rewards, step=1)["train/lr"] == pytest.approx(5e-4)
+    assert w.train_step(_rollouts(w), rewards, step=2)["train/lr"] == pytest.approx(1e-3)
+
+
+# ------------------------------------------------------------------ step speed-ups keep the numbers
+def test_trimmed_sorted_logprobs_equal_full_width_forward(model_dir):
+    """logprobs() batches rows longest-first and cuts each batch to its longest sequence: the values at real
+    positions equal a full-width, input-order forward (right padding + causal attention)."""
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", "policy.logprob_batch_size": 3}))
+    b = Batch.from_rollouts(_rollouts(w), pad_id=w.tokenizer.pad_token_id)
+    lp, ent = w.logprobs(b, want_entropy=True)
+    with torch.no_grad():
+        w.model.eval()
+        ref, ref_ent = w._token_logp(b, want_entropy=True)
+    valid = b.attn.bool()
+    assert torch.allclose(lp[valid], ref[valid], atol=1e-5) and torch.allclose(ent[b.mask.bool()],
+                                                                              ref_ent[b.mask.bool()], atol=1e-5)
+    rows = torch.tensor([5, 0, 3])
+    sub, _ = w.logprobs(b, rows=rows)
+    assert torch.equal(sub, w.logprobs(b.slice(rows))[0])
+    trimmed = b.slice(torch.tensor([1])).trimmed()
+    assert trimmed.width == int(b.attn[1].sum()) < b.width
+
+
+def test_importance_weights_are_per_row():
+    """train_step computes IS weights per micro-batch for the first update's rows: each row's weights must not
+    depend on the other rows of the batch (every kind)."""
+    from fp8core.rl import importance_weights
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(6, 9, generator=g)
+    roll = old + 0.3 * torch.randn(6, 9, generator=g)
+    mask = (torch.rand(6, 9, generator=g) > 0.2).float()
+    for kind in ("tis", "icepop", "seq_mask_tis"):
+        full = importance_weights(old, roll, mask, kind=kind)[0]
+        part = importance_weights(old[2:5], roll[2:5], mask[2:5], kind=kind)[0]
+        assert torch.equal(full[2:5], part), kind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gbs,separate", [(4, 4), (8, 0)])
+def test_old_logprobs_from_first_update_forward(model_dir, gbs, separate):
+    """Old logprobs of the first update's rows come from its training forwards: the mismatch and entropy metrics
+    equal those of a separate no-grad pass over all rows before the step, the no-grad pass covers only the later
+    updates' rows (none with one update per step), and the IS-corrected update equals the one computed from the
+    separate pass's old logprobs (weights after the step)."""
+    from fp8core.rl import mismatch_metrics
+
+    over = {"policy.precision": "float32", "policy.train_global_batch_size": gbs,
+            "loss_fn.use_importance_sampling_correction": "true"}
+    a, c = PolicyWorker(model_dir, _cfg(**over)), PolicyWorker(model_dir, _cfg(**over))
+    ro = _rollouts(a)
+    for s in ro[1]["samples"]:  # a rollout engine that disagrees a little: IS weights != 1
+        s["logprobs"] = [x - 0.05 for x in s["logprobs"]]
+    b = Batch.from_rollouts(ro, pad_id=a.tokenizer.pad_token_id)
+    old, ent = a.logprobs(b, want_entropy=True)
+    expected = mismatch_metrics(old, b.rollout_logp, b.mask)
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    m = c.train_step(ro, rewards, step=1)
+    assert m["train/old_logprob_pass_samples"] == separate
+    for k, v in expected.items():
+        assert m[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert m["policy/entropy"] == pytest.approx(float((ent * b.mask).sum() / b.mask.sum()), rel=1e-5)
+    c.reuse_first_forward = False  # the separate-pass path on an identical worker gives the same update
+    a2 = PolicyWorker(model_dir, _cfg(**over))
+    a2.reuse_first_forward = False
+    m2 = a2.train_step(ro, rewards, step=1)
+    assert m2["train/old_logprob_pass_samples"] == 8
+    for p1, p2 in zip(c.model.parameters(), a2.model.parameters(), strict=True):
+        assert torch.allclose(p1, p2, rtol=1e-4, atol=1e-6)
+
+
+def test_dynamic_sampling_filters_identical_reward_groups(model_dir):
+    """grpo.dynamic_sampling: the all-zero group leaves the loss -- one update of the mixed group's 4 rows, the same
+    weights as a run that only ever saw that group -- yet the mismatch metrics still cover all 8 rollouts."""
+    # AdamW's eps = 1 makes its first step ~ lr * gradient (not ~ lr * sign(gradient), which float rounding of a
+    # different micro-batch order can flip where a gradient is ~0), so equal gradients give allclose weights.
+    over = {"policy.precision": "float32", "policy.train_global_batch_size": 4, "policy.optimizer.eps": 1.0,
+            "policy.optimizer.lr": 1.0}
+    ds = PolicyWorker(model_dir, _cfg(**over, **{"grpo.dynamic_sampling": "true"}))
+    ro = _rollouts(ds)
+    rewards = [1.0, 0.0, 0.0, 0.0] + [0.0] * 4  # group 1: identical rewards
+    m = ds.train_step(ro, rewards, step=1)
+    assert m["reward/frac_groups_all_same"] == 0.5 and m["train/dynamic_sampling_filtered_frac"] == 0.5
+    assert m["train/samples_in_loss"] == 4 and m["train/optimizer_updates"] == 1
+    assert m["train/old_logprob_pass_samples"] == 4  # the filtered rows: no-grad pass for the metrics
+    assert m["mismatch/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-4)
+    only = PolicyWorker(model_dir, _cfg(**over))  # dynamic sampling off, fed the mixed group alone
+    m1 = only.train_step(ro[:1], rewards[:4], step=1)
+    assert m1["train/dynamic_sampling_filtered_frac"] == 0.0 and m1["train/optimizer_updates"] == 1
+    for p1, p2 in zip(ds.model.parameters(), only.model.parameters(), strict=True):
+        assert torch.allclose(p1, p2, rtol=1e-5, atol=1e-7)
+    off = PolicyWorker(model_dir, _cfg(**over))  # off on the full batch: both groups, two updates
+    m2 = off.train_step(ro, rewards, step=1)
+    assert m2["train/samples_in_loss"] == 8 and m2["train/optimizer_updates"] == 2
+    assert m2["reward/frac_groups_all_same"] == 0.5 and m2["train/dynamic_sampling_filtered_frac"] == 0.0
+
+
+def test_clip_metrics_cover_the_updates_after_the_first(model_dir):
+    """Two updates per step: ``clip/*`` pools the second update only; ``clip_all_updates/*`` both, where the first
+    update (ratio exactly 1) adds its tokens to the populations and nothing to the clipped counts."""
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", "policy.train_global_batch_size": 4,
+                                        "policy.optimizer.lr": 0.05}))
+    ro = _rollouts(w)
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    m = w.train_step(ro, rewards, step=1)
+    assert m["train/clip_metric_updates"] == 1 and m["train/optimizer_updates"] == 2
+    b = Batch.from_rollouts(ro, pad_id=w.tokenizer.pad_token_id)
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(0 * 100003 + 1))  # train_step's row order
+    adv = w.advantages(torch.tensor(rewards), 4)
+
+    def count(rows, sign):
+        return float(((adv[rows][:, None] * sign > 0) & b.mask[rows].bool()).sum())
+
+    first, second = perm[:4], perm[4:]
+    for key, sign in (("lower_neg_adv_frac", -1), ("upper_pos_adv_frac", 1), ("lower_pos_adv_frac", 1)):
+        share = count(second, sign) / (count(first, sign) + count(second, sign))
+        assert m[f"clip_all_updates/{key}"] == pytest.approx(m[f"clip/{key}"] * share, abs=1e-12), key
+    assert m["clip/lower_neg_adv_frac"] + m["clip/upper_pos_adv_frac"] > 0  # lr 0.05: the second update moved
+    assert m["clip_all_updates/ratio_min"] <= 1.0 <= m["clip_all_updates/ratio_max"]
+
+
+def test_kv_rounding_in_trainer_replays_the_engine_cache(model_dir):
+    """calibration.kv_rounding_in_trainer: the worker's logprobs are the kv_rounding-scored ones with the engine's
+    current scales (unit scales before a calibration), the BF16 shadow is not rounded, and training runs."""
+    from fp8core.convert import high_precision
+    from trainer.kv_rounding import kv_rounding, unit_scales
+
+    fp8 = {"policy.megatron_cfg.fp8_cfg.enabled": "true", "policy.generation.vllm_cfg.kv_cache_dtype": "fp8"}
+    plain = PolicyWorker(model_dir, _cfg(**fp8))
+    w = PolicyWorker(model_dir, _cfg(**fp8, **{"calibration.kv_rounding_in_trainer": "true"}))
+    ro = _rollouts(plain)
+    b = Batch.from_rollouts(ro, pad_id=plain.tokenizer.pad_token_id)
+    for scales in (None, plain.calibrate_kv_scales(ro, max_samples=8)):
+        w.kv_scales = scales
+        with kv_rounding(plain.model, scales or unit_scales(2), round_k=True, round_v=True):
+            want = plain.logprobs(b)[0]
+        got = w.logprobs(b)[0]
+        assert torch.equal(got, want)
+        assert not torch.equal(got, plain.logprobs(b)[0])  # the rounding changed something
+    assert torch.equal(w._shadow_logprobs(b), plain._shadow_logprobs(b))
+    with high_precision(plain.model):
+        assert torch.equal(w._shadow_logprobs(b), plain.logprobs(b)[0])
+    m = w.train_step(ro, [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0], step=1)
+    assert m["train/optimizer_updates"] >= 1 and m["mismatch/token_mult_prob_error"] > 1.0
+
+
+@pytest.mark.parametrize("old", ["trainer", "rollout"])
+def test_old_logprobs_rollout_puts_the_mismatch_in_the_ratio(model_dir, old):
+    """loss_fn.old_logprobs: with ``rollout`` pi_old is the engine's logprob, so an engine that scores every sampled
+    token 0.5 nats higher than the trainer gives ratio e^-0.5 = 0.61 on the first update, and every
+    negative-advantage token is silenced at the lower bound 0.8; with ``trainer`` the first update has ratio 1
+    and silences none. The mismatch metric is the trainer's old logprobs against the engine's in both."""
+    import math
+
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", "policy.train_global_batch_size": 8,
+                                        "policy.train_micro_batch_size": 4, "loss_fn.old_logprobs": old}))
+    ro = _rollouts(w)
+    for r in ro:
+        for s in r["samples"]:
+            s["logprobs"] = [lp + 0.5 for lp in s["logprobs"]]
+    m = w.train_step(ro, [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0], step=1)
+    assert m["train/optimizer_updates"] == 1
+    assert m["mismatch/token_mult_prob_error"] == pytest.approx(math.exp(0.5), rel=1e-4)
+    if old == "rollout":
+        assert m["clip/lower_neg_adv_frac"] == 1.0 and m["clip/upper_pos_adv_frac"] == 0.0
+        assert m["clip/ratio_max"] == pytest.approx(math.exp(-0.5), rel=1e-4)
+    else:
+        assert m["clip/lower_neg_adv_frac"] == 0.0 and m["clip/ratio_max"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_old_logprobs_rollout_refuses_a_second_importance_weight():
+    from configs.schema import ConfigError
+
+    with pytest.raises(ConfigError, match="loss_fn.use_importance_sampling_correction"):
+        _cfg(**{"loss_fn.old_logprobs": "rollout", "loss_fn.use_importance_sampling_correction": "true"})
+    with pytest.raises(ConfigError, match="loss_fn.old_logprobs"):
+        _cfg(**{"loss_fn.old_logprobs": "engine"})

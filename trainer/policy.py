@@ -1,0 +1,825 @@
+"""PolicyWorker: the trainer side of GRPO. Owns the HF causal LM (its decoder linears converted to FP8 by fp8core when
+``policy.megatron_cfg.fp8_cfg.enabled``), AdamW with gradient clipping and an LR schedule, logprob computation, the
+train step with fp8core.rl's clipped policy-gradient loss, the FP8 calibrations (KV-cache scales for the rollout
+engine, Calibrated Clipping of the PPO bounds) and checkpoint save/load.
+
+A plain class (unit-testable in-process); the pipeline runs it as a Ray actor (``ray.remote(PolicyWorker)``) so
+weights travel actor-to-actor through the Ray object store, never through Prefect.
+
+Numerics
+--------
+* Master weights are FP32 (what AdamW updates); ``policy.precision: bfloat16`` runs the forward/backward under CPU/GPU
+  autocast to BF16 (the usual mixed-precision setup), ``float32`` without autocast. FP8Linear layers quantize their
+  operands themselves (fp8core.linear; FP32 accumulation).
+* Token alignment: for a sequence ``s`` (prompt + response), ``logp[:, j] = log softmax(z_{j-1} / T)[s_j]`` for j >= 1
+  (column 0 is 0 and always masked). ``T`` is the sampling temperature: vLLM's processed logprobs are those of
+  ``logits / T``, so trainer and rollout logprobs are comparable (``mismatch/*``) and the ratio is the sampled policy's.
+* Train step (one GRPO step on a batch of ``P`` prompts x ``G`` generations):
+  1. ``old_logp`` = trainer logprobs before any update -> ``mismatch/*`` against the rollout logprobs. The rows of
+     the first optimizer update take them from that update's own training forwards (same weights, detached), so a
+     separate no-grad pass runs only over the later updates' rows (none with one update per step; the count is
+     ``train/old_logprob_pass_samples``). Every forward is cut to its micro-batch's longest sequence.
+  2. Advantages ``A_i = (r_i - mean_g r) / (std_g r + eps)`` (``grpo.normalize_rewards``; else ``r_i - mean_g r``),
+     or leave-one-out baseline ``r_i - mean_{j != i} r_j`` (``grpo.use_leave_one_out_baseline``).
+  3. Optional IS correction weights ``w = f(pi_old / pi_rollout)`` (TIS / ICE-POP / seq-mask-TIS).
+  4. The batch is split into ``P*G / train_global_batch_size`` optimizer steps, each accumulated over micro-batches
+     with the loss normalizer = valid tokens (token-level loss) or sequences of the global batch, so accumulation
+     reproduces the full-batch loss. Gradient norm clipped to ``max_grad_norm``; a non-finite loss or gradient skips
+     that optimizer step (counted in ``train/skipped_updates``; the weights are untouched).
+     DAPO dynamic sampling (``grpo.dynamic_sampling``): groups whose rewards are all equal (zero advantage, no
+     gradient) are *filtered out of the loss*, not re-sampled: the kept rows are split into
+     ``ceil(kept / train_global_batch_size)`` updates of near-equal size, so their tokens are no longer diluted by
+     zero-advantage ones in the token-level normalizer. Their old logprobs are still computed (no-grad pass) so the
+     mismatch / entropy metrics cover every rollout. ``train/dynamic_sampling_filtered_frac`` = share of groups
+     filtered (0 when off); ``reward/frac_groups_all_same`` is logged either way.
+     ``clip/*`` fractions are pooled over the updates after the first (the first update's ratio is exactly 1, so it
+     only dilutes them; with a single update they cover it); ``clip_all_updates/*`` pools every update.
+  5. Calibrated Clipping (every K steps, FP8 training only): BF16-shadow (``fp8core.convert.high_precision``) and FP8
+     logprobs of the same tokens before and after the update give ``ratio_bf16`` / ``ratio_fp8``; the controller
+     moves the clip bounds used by later steps. The same forwards give ``calib/ratio_error_amplification``
+     (mean |r_fp8 - r_bf16| / mean |p_fp8 - p_bf16| on the sampled tokens, p the updated policy's probabilities);
+     ``time/clip_calibration_s`` is the shadow passes' wall time (0 on steps without a calibration).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from configs.schema import Config
+from trainer.dp import (
+    DPGroup,
+    all_min,
+    clip_grad_norm,
+    full_tensor,
+    gather_objects,
+    local_accumulation,
+    longest_first_batches,
+    share_batches,
+    unsharded,
+)
+from trainer.dp import all_sum as dp_sum
+
+
+def _autocast(precision: str, device: torch.device, bf16_emulation=None):
+    """The forward's precision context: BF16 autocast, the BF16 emulation (``policy.bf16_mode`` emulated: an
+    fp8core.bf16.BF16Emulation instance) or nothing (float32)."""
+    if precision == "bfloat16":
+        return bf16_emulation if bf16_emulation is not None else torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def keep_freed_heap_memory() -> bool:
+    """Stop glibc from returning freed large blocks to the OS (mallopt M_MMAP_THRESHOLD / M_TRIM_THRESHOLD = 1 GiB).
+
+    torch's CPU allocator is plain malloc: with two or more multi-MB tensors alive, glibc serves each new one with a
+    fresh mmap and unmaps it on free, so every activation / quantization temporary page-faults on first touch
+    (measured: allocating and filling two 5 MB tensors 4.5 ms vs 0.15 ms with this set; a copy-sized op 30x slower).
+    The trainer's peak memory is unchanged; its RSS just stays at the peak. Linux/glibc only; returns whether set."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
+
+
+def lr_lambda(step: int, *, warmup_steps: int, decay: str, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier after ``step`` optimizer-schedule steps: linear warmup to 1 over ``warmup_steps``, then constant,
+    linear or cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    frac = min(1.0, max(0.0, (step - warmup_steps) / span))
+    if decay == "linear":
+        return 1.0 - (1.0 - min_lr_ratio) * frac
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
+    """RLOO baseline (Ahmadian et al. 2024): ``A_i = r_i - mean_{j != i, j in g(i)} r_j``."""
+    g = rewards.reshape(-1, group_size).to(torch.float64)
+    loo = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
+    return (g - loo).reshape(-1).to(rewards.dtype)
+
+
+class Batch:
+    """Token tensors of one rollout batch (right-padded): ``tokens [B, L]``, ``attn [B, L]``, ``mask [B, L]`` (1 on
+    response tokens), ``rollout_logp [B, L]`` (vLLM's logprob of each response token, 0 elsewhere); for MoE
+    rollouts with routing, ``routing [B, L, num_moe_layers, top_k]`` (the engine's experts per token; padding
+    positions hold experts 0..k-1), else None."""
+
+    def __init__(self, tokens, attn, mask, rollout_logp, group_size: int, routing=None):
+        self.tokens, self.attn, self.mask, self.rollout_logp = tokens, attn, mask, rollout_logp
+        self.group_size = group_size
+        self.routing = routing
+
+    @classmethod
+    def from_rollouts(cls, rollouts: Sequence[Mapping], *, pad_id: int) -> Batch:
+        """From RolloutWorker.generate's output: one dict per prompt with ``prompt_token_ids`` and ``samples``."""
+        seqs, lps, starts = [], [], []
+        group = len(rollouts[0]["samples"])
+        for r in rollouts:
+            if len(r["samples"]) != group:
+                raise ValueError("all prompts must have the same number of samples (GRPO groups)")
+            p = list(r["prompt_token_ids"])
+            for s in r["samples"]:
+                seqs.append(p + list(s["token_ids"]))
+                lps.append(list(s["logprobs"]))
+                starts.append(len(p))
+        width = max(len(s) for s in seqs)
+        b = len(seqs)
+        tokens = torch.full((b, width), pad_id, dtype=torch.long)
+        attn = torch.zeros((b, width), dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.float32)
+        rl = torch.zeros((b, width), dtype=torch.float32)
+        for i, (s, lp, st) in enumerate(zip(seqs, lps, starts, strict=True)):
+            tokens[i, : len(s)] = torch.tensor(s)
+            attn[i, : len(s)] = 1
+            mask[i, st: len(s)] = 1.0
+            rl[i, st: len(s)] = torch.tensor(lp, dtype=torch.float32)
+        routing = None
+        routed = [smp.get("routed_experts") for r in rollouts for smp in r["samples"]]
+        if routed and all(x is not None for x in routed):
+            n_layers, k = routed[0].shape[1:]
+            routing = torch.arange(k, dtype=torch.long).expand(b, width, n_layers, k).clone()
+            for i, (x, sq) in enumerate(zip(routed, seqs, strict=True)):
+                if x.shape[0] != len(sq):
+                    raise ValueError(f"routed_experts of sample {i}: {x.shape[0]} tokens, the sequence has {len(sq)}")
+                routing[i, : len(sq)] = x.long()
+        return cls(tokens, attn, mask, rl, group, routing)
+
+    def __len__(self):
+        return self.tokens.shape[0]
+
+    def slice(self, idx) -> Batch:
+        return Batch(self.tokens[idx], self.attn[idx], self.mask[idx], self.rollout_logp[idx], self.group_size,
+                     None if self.routing is None else self.routing[idx])
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def trimmed(self) -> Batch:
+        """The same rows cut to their longest sequence: the trailing columns are padding in every row (right
+        padding; causal attention), so logprobs at real positions are unchanged and no compute is spent on pad."""
+        w = int(self.attn.sum(1).max()) if len(self) else 0
+        if w >= self.width:
+            return self
+        return Batch(self.tokens[:, :w], self.attn[:, :w], self.mask[:, :w], self.rollout_logp[:, :w],
+                     self.group_size, None if self.routing is None else self.routing[:, :w])
+
+
+def _pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad a [B, w] tensor with zeros to [B, width]."""
+    if t.shape[1] == width:
+        return t
+    return torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
+
+
+class PolicyWorker:
+    """See the module docstring. ``model_dir``: HF model (safetensors + config + tokenizer)."""
+
+    def __init__(self, model_dir: str | Path, cfg: Config, *, run_dir: str | Path | None = None,
+                 dp: DPGroup | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from fp8core.rl.calibrated_clipping import CalibratedClipping, CalibratedClippingConfig
+
+        self.cfg = cfg
+        p = cfg.policy
+        torch.set_num_threads(p.threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(p.threads))
+        torch.manual_seed(cfg.grpo.seed)
+        self.model_dir = Path(model_dir)
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
+            keep_freed_heap_memory()
+        from fp8core.bf16 import BF16Emulation, resolve_bf16_mode
+        from fp8core.cpu import cpu_caps
+
+        self.bf16_mode = resolve_bf16_mode(p.bf16_mode, device=self.device, native_bf16=cpu_caps().native_bf16)
+        self.bf16_emulation = BF16Emulation() if self.bf16_mode == "emulated" else None
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
+        self.model.config.use_cache = False
+        from fp8core.moe import convert_routers
+
+        self.moe_layers = convert_routers(self.model)  # MoE: routers in FP32 (fp8core/moe.py); [] for dense models
+        self.router_replay = bool(p.router_replay.enabled and self.moe_layers)
+        self._moe_measure, self._moe_acc = False, None
+        self.fp8_layers: list[str] = []
+        f8 = p.megatron_cfg.fp8_cfg
+        if f8.enabled:
+            from fp8core.convert import convert_to_fp8
+            from fp8core.linear import FP8LinearConfig
+
+            lin = FP8LinearConfig(recipe=f8.fp8_recipe, fmt=f8.fp8, pow2_weight=f8.pow2_weight_scaling_factors,
+                                  pow2_activation=f8.pow2_activation_scaling_factors, backend=f8.backend)
+            self.fp8_layers = convert_to_fp8(self.model, lin, num_first_layers_in_bf16=f8.num_first_layers_in_bf16,
+                                             num_last_layers_in_bf16=f8.num_last_layers_in_bf16)
+        self.dp = dp or DPGroup()
+        if self.dp.active:  # data-parallel rank: FSDP2 shards masters, gradients and optimizer state (trainer/dp.py)
+            from trainer.dp import init_group, shard_model
+
+            init_group(self.dp, self.device)
+            shard_model(self.model, self.device)
+            if self.bf16_emulation is not None:  # its rounded weights go stale at every reshard (trainer/dp.py)
+                self.model.reshard_caches = (self.bf16_emulation.weights,)
+        o = p.optimizer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        s = p.scheduler
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: lr_lambda(
+            k, warmup_steps=s.warmup_steps, decay=s.decay, total_steps=cfg.grpo.max_num_steps,
+            min_lr_ratio=s.min_lr_ratio))
+        lf, cal = cfg.loss_fn, cfg.calibration
+        self.clip_low, self.clip_high = 1.0 - lf.ratio_clip_min, 1.0 + lf.ratio_clip_max
+        self.cc = None
+        if cal.calibrated_clipping:
+            self.cc = CalibratedClipping(CalibratedClippingConfig(
+                interval=cal.clip_period, low_range=tuple(cal.clip_low_range), high_range=tuple(cal.clip_high_range),
+                step=cal.clip_search_step, max_delta_low=cal.clip_max_delta_low,
+                max_delta_high=cal.clip_max_delta_high, init_low=cal.clip_init_low, init_high=cal.clip_init_high,
+                ref_eps_low=lf.ratio_clip_min,
+                ref_eps_high=lf.ratio_clip_max))
+        self.kv_scales: dict[str, list[float]] | None = None
+        # calibration.kv_rounding_in_trainer: _token_logp rounds K/V like the engine's FP8 cache with the scales the
+        # engine holds (the last calibrated ones; unit scales before any), except in the BF16 shadow forwards
+        self.kv_rounding = bool(cal.kv_rounding_in_trainer)
+        self._kv_rounding_paused = False
+        # old logprobs of the first update's rows come from its training forwards (train_step) unless the model
+        # has dropout, where a training forward is not the policy's deterministic forward
+        self.reuse_first_forward = not any(
+            isinstance(mod, torch.nn.Dropout) and mod.p > 0 for mod in self.model.modules()) and not any(
+            float(getattr(self.model.config, k, 0.0) or 0.0) > 0 for k in
+            ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"))
+        self.skipped_updates = 0
+        self.step = 0  # RL steps completed
+        self._fault_kill = False  # TEST-ONLY (cluster/faults.py): SIGKILL this process at the start of the next train_step
+        # set True to keep the full gradients of each update of a step (before clipping) in recorded_updates (the
+        # first in recorded_gradients):
+        # the data-parallel equivalence tests compare them between 1 and M workers
+        self.record_gradients = False
+        self.recorded_gradients: dict[str, torch.Tensor] = {}
+        self.recorded_updates: list[dict[str, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------------------------------------ basic info
+    def info(self) -> dict:
+        n = sum(p.numel() for p in self.model.parameters())
+        return {"num_params": n, "fp8_layers": len(self.fp8_layers), "device": str(self.device),
+                "bf16_mode": self.bf16_mode if self.cfg.policy.precision == "bfloat16" else "off",
+                "clip_bounds": [self.clip_low, self.clip_high], "step": self.step,
+                "num_layers": self.model.config.num_hidden_layers, "dp_rank": self.dp.rank, "dp_world": self.dp.world}
+
+    def arm_fault_kill(self) -> None:
+        """TEST-ONLY (``testing.fault_kill_policy_at_step``): the next ``train_step`` SIGKILLs this process at its
+        start (cluster/faults.py)."""
+        self._fault_kill = True
+
+    def bounds(self) -> tuple[float, float]:
+        if self.cc is not None:
+            return self.cc.bounds
+        return self.clip_low, self.clip_high
+
+    def weights(self, dtype: str = "float32") -> dict[str, torch.Tensor]:
+        """HF-named weights for a rollout refit: a copy of the FP32 masters by default. The engine quantizes its FP8
+        layers from what it receives, so it must receive the masters the trainer's FP8Linear quantizes: a BF16 copy
+        would make the engine hold ``quantize(bf16(w))`` instead of the trainer's ``quantize(w)`` (2.2% of FP8 codes
+        and every block scale differed on a trained checkpoint)."""
+        from fp8core.moe import checkpoint_state_dict
+
+        dt = getattr(torch, dtype)  # MoE experts under their checkpoint (per-expert) names, as the engine loads them
+        return {k: v.detach().to("cpu", dt).clone() for k, v in checkpoint_state_dict(self._full_state()).items()}
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """The model's full state dict. Data-parallel: gathered to rank 0 (a collective: every rank calls it; the
+        others get ``{}``)."""
+        if not self.dp.active:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def refit_weights(self) -> dict[str, torch.Tensor]:
+        """What a refit ships. End-to-end FP8 (the engine runs this trainer's FP8 numerics, Config.rollout_fp8_spec
+        == trainer_fp8_spec): the served state (fp8core.serve: this trainer's FP8 codes + weight_scale_inv for the
+        FP8 linears, BF16 -- the engine's model dtype -- for the rest), loaded by the engine without re-quantizing.
+        Otherwise the FP32 masters (``weights()``), which an FP8-generation-only engine quantizes itself."""
+        trainer, rollout = self.cfg.trainer_fp8_spec(), self.cfg.rollout_fp8_spec()
+        if trainer is not None and rollout is not None and trainer.forward_key() == rollout.forward_key():
+            from fp8core.serve import served_state_dict
+
+            state = self._full_state()  # data-parallel: full on rank 0 only
+            with unsharded(self.model, self.dp):  # the FP8 linears quantize their full weights
+                served = served_state_dict(self.model, hp_dtype=torch.bfloat16, state=state) if state else {}
+            # FP8 codes travel as their bytes (uint8): pickling float8 tensors fails in torch 2.13, and Ray pickles
+            return {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in served.items()}
+        return self.weights()
+
+    # ---------------------------------------------------------------------------------------------------- logprobs
+    def _token_logp(self, b: Batch, *, want_entropy: bool = False):
+        """Forward one micro-batch; returns (logp [B, L] aligned to tokens, entropy [B, L] or None)."""
+        tokens, attn = b.tokens.to(self.device), b.attn.to(self.device)
+        replay = None
+        if self.router_replay and b.routing is not None:  # R3: the engine's experts for every token
+            k = b.routing.shape[-1]
+            replay = {layer: b.routing[:, :, j].reshape(-1, k).to(self.device)
+                      for j, layer in enumerate(self.moe_layers)}
+        from fp8core.moe import forced_routing
+
+        with forced_routing(self.model, replay), _autocast(self.cfg.policy.precision, self.device,
+                                                           self.bf16_emulation), self._kv_replay():
+            logits = self.model(input_ids=tokens, attention_mask=attn).logits
+        if self._moe_measure:
+            self._record_routing(b)
+        z = logits[:, :-1].float() / self.cfg.policy.generation.temperature
+        lp = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        logp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        ent = None
+        if want_entropy:
+            from fp8core.rl.metrics import token_entropy
+
+            e = token_entropy(z.detach())
+            ent = torch.cat([torch.zeros_like(e[:, :1]), e], dim=1)
+        return logp, ent
+
+    def _kv_replay(self):
+        """The engine's FP8 KV rounding around a forward (calibration.kv_rounding_in_trainer), else nothing."""
+        if not self.kv_rounding or self._kv_rounding_paused:
+            return contextlib.nullcontext()
+        from trainer.kv_rounding import kv_rounding, unit_scales
+
+        scales = self.kv_scales
+        if scales is None:
+            from fp8core.rl.kv_calibration import find_attention_modules
+
+            scales = unit_scales(len(find_attention_modules(self.model)))
+        return kv_rounding(self.model, scales, round_k=True, round_v=True)
+
+    def _zero_loss(self, one: Batch) -> torch.Tensor:
+        """0 x a full forward of ``one``: the gradient-sync pass of a data-parallel update (trainer/dp.py)."""
+        measure, self._moe_measure = self._moe_measure, False  # not a real forward: no moe/* counts
+        try:
+            return self._token_logp(one)[0].sum() * 0.0
+        finally:
+            self._moe_measure = measure
+
+    @torch.no_grad()
+    def _record_routing(self, b: Batch) -> None:
+        """Accumulate this forward's routing for the step's ``moe/*`` metrics (real tokens only): tokens whose own
+        top-k set differs from the engine's, and the per-layer expert loads of the experts used."""
+        from fp8core.moe import routers
+
+        real = b.attn.reshape(-1).bool()
+        acc = self._moe_acc
+        for j, (_, r) in enumerate(routers(self.model)):
+            used = r.last_ids.cpu()[real]
+            acc["counts"][j] += torch.bincount(used.reshape(-1), minlength=r.num_experts).double()
+            if b.routing is not None:
+                own = r.last_own_ids.cpu()[real].sort(-1).values
+                eng = b.routing[:, :, j].reshape(-1, b.routing.shape[-1])[real].sort(-1).values
+                acc["mismatch"] += int((own != eng).any(-1).sum())
+                acc["tokens"] += int(real.sum())
+
+    def _moe_metrics(self) -> dict[str, float]:
+        acc, m = self._moe_acc, {"moe/router_replay": float(self.router_replay)}
+        if acc["tokens"]:
+            m["moe/routing_mismatch_frac"] = acc["mismatch"] / acc["tokens"]
+        c = acc["counts"]
+        share = c / c.mean(1, keepdim=True).clamp_min(1e-12)  # per layer: expert load / the uniform load
+        m["moe/expert_load_max"] = float(share.max(1).values.mean())
+        m["moe/expert_load_min"] = float(share.min(1).values.mean())
+        m["moe/expert_load_cv"] = float((c.std(1, unbiased=False) / c.mean(1).clamp_min(1e-12)).mean())
+        return m
+
+    @torch.no_grad()
+    def logprobs(self, b: Batch, *, want_entropy: bool = False, rows: torch.Tensor | None = None):
+        """No-grad logprobs (FP32) and entropies (FP64) ``[B, L]`` of ``b`` (of ``b.slice(rows)`` when given). Rows
+        are batched longest-first and each batch is trimmed to its own longest sequence (less padding); results come
+        back in the input order, zero beyond each batch's width. Data-parallel (a collective: every rank calls it
+        with the same arguments): each rank computes a share of the single worker's batches (whole batches:
+        trainer.dp.share_batches) on its gathered weights, the sum over ranks assembles them on every rank."""
+        if not self.dp.active:
+            return self._local_logprobs(b, want_entropy=want_entropy, rows=rows)
+        rows = torch.arange(len(b)) if rows is None else rows
+        mine = share_batches(b.attn[rows].sum(1), self.cfg.policy.logprob_batch_size, self.dp)
+        lp = torch.zeros(len(rows), b.width)
+        ent = torch.zeros(len(rows), b.width, dtype=torch.float64) if want_entropy else None
+        with unsharded(self.model, self.dp):
+            if len(mine):
+                lp_m, ent_m = self._local_logprobs(b, want_entropy=want_entropy, rows=rows[mine])
+                lp[mine] = lp_m.float()
+                if ent is not None:
+                    ent[mine] = ent_m.double()
+        dp_sum(*(t for t in (lp, ent) if t is not None), group=self.dp)
+        return lp, ent
+
+    @torch.no_grad()
+    def _local_logprobs(self, b: Batch, *, want_entropy: bool = False, rows: torch.Tensor | None = None):
+        was = self.model.training
+        self.model.eval()
+        sub = b if rows is None else b.slice(rows)
+        lp_all = ent_all = None
+        for idx in longest_first_batches(sub.attn.sum(1), self.cfg.policy.logprob_batch_size):
+            lp, ent = self._token_logp(sub.slice(idx).trimmed(), want_entropy=want_entropy)
+            if lp_all is None:
+                lp_all = torch.zeros(len(sub), sub.width, dtype=lp.dtype)
+                ent_all = None if ent is None else torch.zeros(len(sub), sub.width, dtype=ent.dtype)
+            lp_all[idx] = _pad_cols(lp.cpu(), sub.width)
+            if ent is not None:
+                ent_all[idx] = _pad_cols(ent.cpu(), sub.width)
+        self.model.train(was)
+        return lp_all, ent_all
+
+    def _shadow_logprobs(self, b: Batch) -> torch.Tensor:
+        from fp8core.convert import high_precision
+
+        paused, self._kv_rounding_paused = self._kv_rounding_paused, True  # the BF16 pipeline has no FP8 cache
+        try:
+            with high_precision(self.model):
+                return self.logprobs(b)[0]
+        finally:
+            self._kv_rounding_paused = paused
+
+    # ---------------------------------------------------------------------------------------------------- training
+    def advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        from fp8core.rl import grpo_advantages
+
+        g = self.cfg.grpo
+        if g.use_leave_one_out_baseline:
+            adv = leave_one_out_advantages(rewards, group_size=group_size)
+            if g.normalize_rewards:
+                std = rewards.reshape(-1, group_size).std(dim=1, keepdim=True).expand(-1, group_size).reshape(-1)
+                adv = adv / (std + 1e-6)
+            return adv
+        return grpo_advantages(rewards, group_size=group_size, normalize_std=g.normalize_rewards)
+
+    def train_step(self, rollouts: Sequence[Mapping], rewards: Sequence[float], *, step: int) -> dict[str, float]:
+        """One GRPO step on ``rollouts`` (RolloutWorker.generate output) with ``rewards`` (one per sample, prompt-major).
+        Returns metrics (python floats, stable names)."""
+        from fp8core.rl import clipped_pg_loss, importance_weights, mismatch_metrics, response_length_metrics
+        if self._fault_kill:  # TEST-ONLY: a trainer lost mid-step
+            from cluster.faults import kill_self
+
+            kill_self()
+        cfg, lf = self.cfg, self.cfg.loss_fn
+        t0 = time.perf_counter()
+        b = Batch.from_rollouts(rollouts, pad_id=self.tokenizer.pad_token_id)
+        r = torch.tensor(list(rewards), dtype=torch.float32)
+        if r.numel() != len(b):
+            raise ValueError(f"train_step: {r.numel()} rewards for {len(b)} samples")
+        m: dict[str, float] = {}
+        if self.moe_layers:  # moe/* metrics from the forwards on the weights the engine ran (before the first update)
+            from fp8core.moe import routers
+
+            n_exp = routers(self.model)[0][1].num_experts
+            self._moe_measure = True
+            self._moe_acc = {"mismatch": 0, "tokens": 0,
+                             "counts": torch.zeros(len(self.moe_layers), n_exp, dtype=torch.float64)}
+        gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
+        perm = torch.randperm(len(b), generator=torch.Generator().manual_seed(cfg.grpo.seed * 100003 + step))
+        keep = torch.ones(len(b), dtype=torch.bool)
+        if cfg.grpo.dynamic_sampling:  # DAPO: identical-reward groups leave the loss (module docstring, item 4)
+            from fp8core.rl import dynamic_sampling_mask
+
+            keep = dynamic_sampling_mask(r, group_size=b.group_size, per_sample=True)
+        trained = perm[keep[perm]]
+        n_upd = -(-len(trained) // gbs)
+        update_rows = list(torch.tensor_split(trained, n_upd)) if n_upd else []
+        # Old logprobs = the policy before this step's first update. The first update's own training forwards run
+        # exactly those weights, so its rows take old_logp (and entropy) from them (detached) and only the other
+        # rows need a separate no-grad pass -- none with one update per step and no filtering. Not with dropout
+        # (the training forward would differ from the eval one).
+        first = update_rows[0] if update_rows and self.reuse_first_forward else perm[:0]
+        in_first = torch.zeros(len(b), dtype=torch.bool)
+        in_first[first] = True
+        later = perm[~in_first[perm]]
+        old_logp = torch.zeros(len(b), b.width)
+        ent = torch.zeros(len(b), b.width, dtype=torch.float64)  # fp8core.rl.metrics.token_entropy's dtype
+        known = torch.zeros(len(b), dtype=torch.bool)
+        if len(later):
+            old_logp[later], ent[later] = self.logprobs(b, want_entropy=True, rows=later)
+            known[later] = True
+        t_old = time.perf_counter() - t0
+        adv = self.advantages(r, b.group_size)
+        is_w = None
+        use_is = lf.use_importance_sampling_correction
+        is_kw = dict(kind=lf.importance_sampling, cap=lf.is_truncation, low=lf.is_mask_low, high=lf.is_mask_high)
+        if use_is:  # per-row weights (tested): the later rows now, the first update's rows in its loop
+            is_w = torch.zeros(len(b), b.width)
+            if len(later):
+                is_w[later] = importance_weights(old_logp[later], b.rollout_logp[later], b.mask[later], **is_kw)[0]
+        calibrate = self.cc is not None and self.cc.should_calibrate(step)
+        t_cal = 0.0
+        if calibrate:
+            tc = time.perf_counter()
+            old_bf16 = self._shadow_logprobs(b)
+            t_cal += time.perf_counter() - tc
+
+        # pi_old of the ratio (loss_fn.old_logprobs): the trainer's logprobs before the first update (old_logp, filled
+        # in by the first update's forwards) or the rollout engine's (the ratio then carries the mismatch)
+        ref_logp = b.rollout_logp if lf.old_logprobs == "rollout" else old_logp
+        clip_low, clip_high = self.bounds()
+        agg = "token_mean" if lf.token_level_loss else "seq_mean_token_mean"
+        self.model.train()
+        sums: dict[str, float] = {}
+        clip_parts: list[tuple[int, dict, torch.Tensor, torch.Tensor]] = []  # (update, clip metrics, adv, mask)
+        n_mb, n_gb, grad_norms, updates, t_opt = 0, 0, [], 0, 0.0
+        for u, gidx in enumerate(update_rows):
+            gm = b.mask[gidx]
+            normalizer = float(gm.sum().clamp_min(1)) if lf.token_level_loss else float((gm.sum(1) > 0).sum())
+            self.optimizer.zero_grad(set_to_none=True)
+            n_gb += 1
+            finite = True
+            mine = self.dp.share(gidx)  # data-parallel: this rank's contiguous share (all rows without a group)
+            with local_accumulation(self.model, self.dp) as reduce_grads:
+                for m0 in range(0, len(mine), mbs):
+                    idx = mine[m0: m0 + mbs]
+                    mb = b.slice(idx).trimmed()
+                    w = mb.width
+                    fresh = u == 0 and len(first) > 0  # rows whose old logprobs this forward provides
+                    logp, e = self._token_logp(mb, want_entropy=fresh)
+                    if fresh:
+                        old_logp[idx] = _pad_cols(logp.detach().cpu(), b.width)
+                        ent[idx] = _pad_cols(e.cpu(), b.width)
+                        known[idx] = True
+                        if use_is:
+                            is_w[idx] = _pad_cols(importance_weights(old_logp[idx, :w], mb.rollout_logp, mb.mask,
+                                                                     **is_kw)[0], b.width)
+                    loss, lm = clipped_pg_loss(
+                        logp, ref_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
+                        clip_low=clip_low, clip_high=clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg,
+                        is_weights=None if is_w is None else is_w[idx, :w].to(logp.device), normalizer=normalizer)
+                    if not torch.isfinite(loss):
+                        finite = False
+                        break
+                    loss.backward()
+                    n_mb += 1
+                    clip_parts.append((u, lm, adv[idx], mb.mask))
+                    for k, v in lm.items():
+                        if not k.startswith("clip/"):
+                            sums[k] = sums.get(k, 0.0) + v
+                if self.dp.active:  # all ranks skip the update if any rank's loss was not finite
+                    finite = all_min(float(finite), self.dp) > 0
+                    one = b.slice(gidx[:1]).trimmed()
+                    reduce_grads(functools.partial(self._zero_loss, one))
+            if u == 0 and self.dp.active and len(first):  # each rank filled its own rows of the first update
+                for t in (old_logp, ent, is_w):
+                    if t is not None:
+                        part = t[first].clone()
+                        dp_sum(part, group=self.dp)
+                        t[first] = part
+                k = known[first].double()
+                dp_sum(k, group=self.dp)
+                known[first] = k > 0
+            if u == 0 and not bool(known.all()):  # a non-finite loss stopped the first update early: its
+                missing = (~known).nonzero().squeeze(1)  # weights are untouched (no step), so finish the pass
+                old_logp[missing], ent[missing] = self.logprobs(b, want_entropy=True, rows=missing)
+                if use_is:
+                    is_w[missing] = importance_weights(old_logp[missing], b.rollout_logp[missing], b.mask[missing],
+                                                       **is_kw)[0]
+                known[missing] = True
+                self.model.train()
+            if self.record_gradients:  # full gradients of every update, before clipping (tests)
+                grads = {n: full_tensor(q.grad).detach().cpu().clone()
+                         for n, q in self.model.named_parameters() if q.grad is not None}
+                self.recorded_updates = [*(self.recorded_updates if u else []), grads]
+                self.recorded_gradients = self.recorded_updates[0]
+            t_opt0 = time.perf_counter()
+            gn = clip_grad_norm(self.model.parameters(), cfg.policy.max_grad_norm, self.dp)
+            if finite and math.isfinite(gn):
+                self.optimizer.step()
+                updates += 1
+                grad_norms.append(gn)
+            else:
+                self.skipped_updates += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            t_opt += time.perf_counter() - t_opt0
+            self._moe_measure = False
+        lr_used = float(self.optimizer.param_groups[0]["lr"])  # the LR this step's updates used (before the advance)
+        self.scheduler.step()
+        self._moe_measure = False
+        if self.dp.active:  # every rank's micro-batches
+            parts = gather_objects((sums, n_mb, [(u, lm, a, mk) for u, lm, a, mk in clip_parts]), self.dp)
+            sums, n_mb, clip_parts = {}, sum(p[1] for p in parts), [c for p in parts for c in p[2]]
+            for part_sums, _, _ in parts:
+                for k, v in part_sums.items():
+                    sums[k] = sums.get(k, 0.0) + v
+            if self.moe_layers:  # every rank's routing counts
+                accs = gather_objects(self._moe_acc, self.dp)
+                self._moe_acc = {**accs[0], **{k: sum(a[k] for a in accs) for k in ("mismatch", "tokens", "counts")}}
+        if self.moe_layers:
+            m.update(self._moe_metrics())
+        m.update(mismatch_metrics(old_logp, b.rollout_logp, b.mask))
+        m["policy/entropy"] = float((ent * b.mask).sum() / b.mask.sum().clamp_min(1))  # exact, sampled tokens
+        m.update(response_length_metrics(b.mask))
+        if use_is:
+            m.update(importance_weights(old_logp, b.rollout_logp, b.mask, **is_kw)[1])
+        m["train/old_logprob_pass_samples"] = float(len(later))
+        for k, v in sums.items():  # micro-batch means; loss/total is normalized globally, so sum per global batch
+            m[k] = v / max(1, n_gb) if k == "loss/total" else v / max(1, n_mb)
+        from fp8core.rl import pool_clip_metrics
+
+        later_parts = [(lm, a, mk) for u, lm, a, mk in clip_parts if u > 0]
+        m.update(pool_clip_metrics(later_parts or [(lm, a, mk) for _, lm, a, mk in clip_parts]))
+        m["train/clip_metric_updates"] = float(len({u for u, *_ in clip_parts if u > 0}) or
+                                               len({u for u, *_ in clip_parts}))
+        m.update({k.replace("clip/", "clip_all_updates/"): v for k, v in
+                  pool_clip_metrics([(lm, a, mk) for _, lm, a, mk in clip_parts]).items()})
+        m["train/dynamic_sampling_filtered_frac"] = float((~keep).float().mean())  # rows = groups (whole groups)
+        m["train/samples_in_loss"] = float(len(trained))
+        m["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        m["train/lr"] = lr_used
+        m["train/optimizer_updates"] = float(updates)
+        m["train/skipped_updates"] = float(self.skipped_updates)
+        m["reward/mean"] = float(r.mean())
+        m["reward/std"] = float(r.std()) if r.numel() > 1 else 0.0
+        groups = r.reshape(-1, b.group_size)
+        m["reward/frac_groups_all_same"] = float((groups.max(1).values == groups.min(1).values).float().mean())
+        m["advantage/abs_mean"] = float(adv.abs().mean())
+        if calibrate:
+            tc = time.perf_counter()
+            new_fp8 = self.logprobs(b)[0]
+            new_bf16 = self._shadow_logprobs(b)
+            # the BF16 reference ratio is the shadow's own new / old: with old_logprobs=rollout it stands for a BF16
+            # pipeline's pi_theta / pi_rollout, whose mismatch (~1.002) it leaves out
+            (lo, hi), diag = self.cc.calibrate(step, torch.exp((new_fp8 - ref_logp) * b.mask),
+                                               torch.exp((new_bf16 - old_bf16) * b.mask), adv, b.mask,
+                                               prob_fp8=torch.exp(new_fp8), prob_bf16=torch.exp(new_bf16))
+            m.update(diag)
+            t_cal += time.perf_counter() - tc
+        lo, hi = self.bounds()
+        m["clip/bound_low"], m["clip/bound_high"] = float(lo), float(hi)
+        wall = time.perf_counter() - t0
+        ntok = float(b.attn.sum())
+        m["time/train_logprob_s"] = t_old
+        m["time/clip_calibration_s"] = t_cal
+        m["time/train_optimizer_s"] = t_opt  # gradient clipping + AdamW steps
+        m["time/policy_train_s"] = wall
+        m["throughput/train_tokens_per_s"] = ntok / max(wall - t_cal, 1e-9)
+        m["train/tokens"] = ntok
+        self.step = step
+        return m
+
+    # ------------------------------------------------------------------------------------------------ KV calibration
+    @torch.no_grad()
+    def calibrate_kv_scales(self, rollouts: Sequence[Mapping], *, max_samples: int) -> dict[str, list[float]]:
+        """Per-layer K/V scales (amax / 448) from the policy's own forward over (prompt + response) sequences of the
+        current batch; sent to the rollout engine with the next refit (``fp8core.rl.kv_calibration``)."""
+        from fp8core.rl.kv_calibration import calibrate_kv_scales
+
+        flat = []
+        for r in rollouts:
+            for s in r["samples"]:
+                flat.append({"prompt_token_ids": r["prompt_token_ids"], "samples": [s]})
+        b = Batch.from_rollouts(flat[:max_samples], pad_id=self.tokenizer.pad_token_id)
+        was = self.model.training
+        self.model.eval()
+        bs = self.cfg.policy.logprob_batch_size
+        batches = [{"input_ids": b.tokens[i:i + bs].to(self.device), "attention_mask": b.attn[i:i + bs].to(self.device)}
+                   for i in range(0, len(b), bs)]
+        if self.dp.active:  # each rank its share of the micro-batches; the percentile over all ranks' amaxes
+            from fp8core.rl.kv_calibration import collect_qkv_amax, scales_from_amax, validate_kv_scales
+
+            with unsharded(self.model, self.dp), _autocast(self.cfg.policy.precision, self.device,
+                                                           self.bf16_emulation):
+                mine = batches[self.dp.rank::self.dp.world]
+                amax = collect_qkv_amax(self.model, mine) if mine else None
+            parts = [a for a in gather_objects(amax, self.dp) if a is not None]
+            amax = {k: torch.cat([a[k] for a in parts]) for k in parts[0]}
+            scales = scales_from_amax(amax)
+            validate_kv_scales(scales, num_layers=amax["q"].shape[1])
+        else:
+            with _autocast(self.cfg.policy.precision, self.device, self.bf16_emulation):
+                scales = calibrate_kv_scales(self.model, batches)
+        self.model.train(was)
+        # version: the policy step whose weights produced these scales (the engine refuses stale ones at refit)
+        self.kv_scales = {**{k: [float(x) for x in v] for k, v in scales.items()}, "version": self.step}
+        return self.kv_scales
+
+    # ---------------------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, uri: str, step: int, *, extra: Mapping | None = None, keep_last_k: int | None = None,
+                        endpoint_url: str | None = None) -> str | None:
+        """Write a complete checkpoint of RL step ``step`` (storage/checkpoint.py) and prune old ones.
+        Data-parallel: full weights and optimizer state gathered to rank 0 and written there in the single-worker
+        layout (optimizer state indexed by parameter order), so any number of workers resumes it; a collective:
+        every rank calls it, ranks > 0 return None."""
+        from storage.checkpoint import CheckpointStore, model_files, rng_state
+
+        if self.dp.active:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            weights = self._full_state()
+            osd = get_optimizer_state_dict(self.model, self.optimizer,
+                                           options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.dp.rank != 0:
+                return None
+            optimizer = _optimizer_state_by_index(osd, self._param_names())
+        else:
+            weights, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+        store = CheckpointStore(uri, endpoint_url=endpoint_url)
+        state = {"clip_bounds": list(self.bounds()), "kv_scales": self.kv_scales,
+                 "calibrated_clipping": self.cc.state_dict() if self.cc is not None else None,
+                 "skipped_updates": self.skipped_updates, "fp8_layers": self.fp8_layers,
+                 "dp_world": self.dp.world, **(extra or {})}
+        out = store.save(step, weights={k: v.detach().cpu() for k, v in weights.items()},
+                         model_files=model_files(self.model_dir),
+                         optimizer={"optimizer": optimizer, "scheduler": self.scheduler.state_dict()},
+                         rng=rng_state(), state=state)
+        store.prune(keep_last_k)
+        return out
+
+    def _param_names(self) -> list[str]:
+        """Parameter names in the optimizer's order (``model.parameters()``, the order of a checkpoint's optimizer
+        state indices)."""
+        return [n for n, _ in self.model.named_parameters()]
+
+    def _state_keys(self) -> set[str]:
+        return set(self.model.state_dict().keys())
+
+    @torch.no_grad()
+    def _load_full_state_dp(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping) -> None:
+        """Data-parallel load of a full (single-worker layout) checkpoint: every rank slices its own shard of each
+        parameter and of its AdamW moments from the full tensors (``distribute_tensor`` with no source rank: no
+        communication), and takes the optimizer's hyper-parameters. (The FP8 linears' weight caches are empty here:
+        data-parallel ranks fill them only inside ``trainer.dp.unsharded``, which empties them on exit.)"""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        def local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            if isinstance(like, DTensor):
+                return distribute_tensor(full.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+            return full.to(like.dtype).clone()
+
+        params = dict(self.model.named_parameters())
+        for name, p in params.items():
+            p.copy_(local(weights[name], p))
+        for name, buf in self.model.named_buffers():
+            if name in weights:
+                buf.copy_(weights[name])
+        names = self._param_names()
+        saved_groups = optimizer["param_groups"]
+        if len(saved_groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint optimizer has {len(saved_groups)} parameter groups, the trainer "
+                             f"{len(self.optimizer.param_groups)}")
+        for group, saved in zip(self.optimizer.param_groups, saved_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.optimizer.state.clear()
+        for i, st in optimizer["state"].items():
+            p = params[names[int(i)]]
+            self.optimizer.state[p] = {k: (v.clone() if k == "step" else local(v, p)) for k, v in st.items()}
+
+    def load_checkpoint(self, uri: str, step: int | None = None, *, endpoint_url: str | None = None) -> dict:
+        """Restore weights, optimizer, scheduler, RNG, clip bounds and KV scales; returns the trainer state."""
+        from storage.checkpoint import CheckpointStore, set_rng_state
+
+        ck = CheckpointStore(uri, endpoint_url=endpoint_url).load(step)
+        if self.dp.active:  # every rank reads the full checkpoint and keeps its shard (any M can resume any M')
+            keys = self._state_keys()
+            missing, unexpected = sorted(keys - set(ck.weights)), sorted(set(ck.weights) - keys)
+            if missing or unexpected:
+                raise ValueError(f"{ck.uri}: checkpoint does not match the model (missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
+            self._load_full_state_dp(ck.weights, ck.optimizer["optimizer"])
+        else:
+            missing, unexpected = self.model.load_state_dict(ck.weights, strict=False)
+            if missing or unexpected:
+                raise ValueError(f"{ck.uri}: checkpoint does not match the model (missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
+            self.optimizer.load_state_dict(ck.optimizer["optimizer"])
+        self.scheduler.load_state_dict(ck.optimizer["scheduler"])
+        if ck.rng is not None:
+            set_rng_state(ck.rng)
+        st = ck.state
+        if self.cc is not None and st.get("calibrated_clipping"):
+            self.cc.load_state_dict(st["calibrated_clipping"])
+        self.kv_scales = st.get("kv_scales")
+        self.skipped_updates = int(st.get("skipped_updates", 0))
+        self.step = ck.step
+        return {**st, "step": ck.step, "uri": ck.uri}
+
+
+def _optimizer_state_by_index(osd: Mapping, names: Sequence[str]) -> dict:
+    """torch.distributed.checkpoint's full optimizer state (keyed by parameter name) -> ``optimizer.state_dict()``'s
+    layout (keyed by the parameter's position in ``names``), what a single worker saves and loads."""
+    index = {n: i for i, n in enumerate(names)}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+              for g in osd["param_groups"]]
+    return {"state": {index[n]: v for n, v in osd["state"].items()}, "param_groups": groups}
+
