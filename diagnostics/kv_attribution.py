@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.runtime import apply_env
+from cluster.env import apply_env
 from diagnostics.mismatch import (
     calibrate_kv_scales,
     flatten_results,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.runtime import apply_env
+from cluster.env import apply_env
 from fp8core.linear import RECIPES
 from rollout.engine import RolloutConfig, RolloutWorker
 

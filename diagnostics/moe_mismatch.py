@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.runtime import apply_env
+from cluster.env import apply_env
 from diagnostics.mismatch import load_trainer_model, mismatch
 from rollout.engine import RolloutConfig, RolloutWorker
 

@@ -311,5 +311,11 @@ def describe() -> str:
     return cpu_caps().describe()
 
 
+def cpu_caps_dict(caps) -> dict:
+    """A CpuCaps as a plain dict (what the workers report in their stats)."""
+    return {"model": caps.model, "kind": caps.kind, "hardware_kind": caps.hardware_kind, "cap": caps.cap,
+            "torch_capability": caps.torch_capability, "flags": sorted(caps.flags)}
+
+
 if __name__ == "__main__":
     print(describe())

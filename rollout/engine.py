@@ -65,7 +65,8 @@ from pathlib import Path
 
 import torch
 
-from cluster.runtime import apply_env
+from cluster.env import apply_env
+from fp8core.cpu import cpu_caps_dict
 from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
 
 PRECISIONS = ("bf16", "fp8")
@@ -772,9 +773,6 @@ def _install_kv_emulation(model) -> int:
     return sum(getattr(m, "_fp8grpo_kv_emulation", None) is not None for m in layers.values())
 
 
-def cpu_caps_dict(caps) -> dict:
-    return {"model": caps.model, "kind": caps.kind, "hardware_kind": caps.hardware_kind, "cap": caps.cap,
-            "torch_capability": caps.torch_capability, "flags": sorted(caps.flags)}
 
 
 def _get_attention_scales(model, names: list[str]) -> dict[str, list[float]]:
