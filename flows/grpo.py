@@ -65,9 +65,9 @@ def _progress(step: int, total: int, m: dict, val: float | None) -> str:
 def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     import ray
 
+    from cluster.env import apply_env
     from cluster.runtime import (
         WorkerLost,
-        apply_env,
         check_rollout_kv,
         init_ray,
         lost_trainers,
