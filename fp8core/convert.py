@@ -21,7 +21,9 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from fp8core.layers import decoder_layers
 from fp8core.linear import FP8Linear, FP8LinearConfig
+from fp8core.moe import FP8Experts, convert_experts
 
 __all__ = ["convert_to_fp8", "decoder_layers", "fp8_layer_indices", "fp8_modules", "high_precision"]
 
@@ -37,17 +39,6 @@ def fp8_layer_indices(num_layers: int, first: int = 0, last: int = 0) -> list[in
         raise ValueError(f"num_first_layers_in_bf16 ({first}) + num_last_layers_in_bf16 ({last}) = {first + last} "
                          f"exceeds the model's {num_layers} decoder layers")
     return list(range(first, num_layers - last))
-
-
-def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder layer list and its dotted prefix: ``model.model.layers`` (causal LM) or ``model.layers``."""
-    inner = getattr(model, "model", None)
-    for prefix, owner in (("model.layers", inner), ("layers", model)):
-        layers = getattr(owner, "layers", None) if owner is not None else None
-        if isinstance(layers, nn.ModuleList):
-            return prefix, layers
-    raise ValueError(f"convert_to_fp8: {type(model).__name__} has no decoder layer list (expected "
-                     f"`model.model.layers` or `model.layers`, an nn.ModuleList)")
 
 
 def convert_to_fp8(model: nn.Module, config: FP8LinearConfig, *, num_first_layers_in_bf16: int = 0,
@@ -71,8 +62,6 @@ def convert_to_fp8(model: nn.Module, config: FP8LinearConfig, *, num_first_layer
                 parent = layers[i].get_submodule(parent_name) if parent_name else layers[i]
                 setattr(parent, child, FP8Linear.from_linear(module, config))
             converted.append(f"{prefix}.{i}.{name}")
-    from fp8core.moe import convert_experts
-
     converted += convert_experts(model, config, fp8_layer_indices(len(layers), num_first_layers_in_bf16,
                                                                  num_last_layers_in_bf16))
     if converted:
@@ -93,8 +82,6 @@ def fp8_modules(model: nn.Module) -> Iterator[tuple[str, FP8Linear]]:
 def high_precision(model: nn.Module):
     """Run ``model``'s FP8Linear layers as plain linears on the same master weights inside the block; the previous
     per-module switches are restored on exit (also on error)."""
-    from fp8core.moe import FP8Experts
-
     previous = [(m, m.fp8_enabled) for _, m in fp8_modules(model)]
     previous += [(m, m.fp8_enabled) for m in model.modules() if isinstance(m, FP8Experts) and m.config is not None]
     try:

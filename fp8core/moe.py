@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8core.layers import decoder_layers
 from fp8core.linear import FP8LinearConfig, WeightCache, _FP8LinearFunction
 from fp8core.quant import QuantizedTensor
 
@@ -183,8 +184,6 @@ class FP32Router(nn.Module):
 
 def moe_blocks(model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
     """(decoder layer index, mlp) for every decoder layer whose ``mlp`` has a fused experts module and a router."""
-    from fp8core.convert import decoder_layers
-
     _, layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         mlp = getattr(layer, "mlp", None)
@@ -206,8 +205,6 @@ def convert_routers(model: nn.Module) -> list[int]:
 def convert_experts(model: nn.Module, config: FP8LinearConfig, layer_indices: list[int]) -> list[str]:
     """Swap the fused experts of the given decoder layers for :class:`FP8Experts` with ``config`` (in place);
     returns their dotted names. Layers without experts are skipped."""
-    from fp8core.convert import decoder_layers
-
     prefix, _ = decoder_layers(model)
     wanted, out = set(layer_indices), []
     for i, mlp in moe_blocks(model):
