@@ -431,8 +431,26 @@ def _check(cond: bool, path: str, msg: str):
 
 
 def _validate(c: Config):
-    g, p, lf, cal = c.grpo, c.policy, c.loss_fn, c.calibration
-    vc, f8 = p.generation.vllm_cfg, p.megatron_cfg.fp8_cfg
+    """The checks across keys and sections, one section after the other; the first check that fails raises its
+    ConfigError (named by the dotted path of the key to change)."""
+    _validate_sizes(c)
+    _validate_loss(c)
+    _validate_optimizer_and_sampling(c)
+    _validate_fp8(c)
+    _validate_nemo_keys(c)
+    _validate_cluster(c)
+    _validate_kv_and_calibration(c)
+    _validate_lengths(c)
+    _validate_checkpointing(c)
+    _check(bool(c.data.question_key) and bool(c.data.answer_key), "data.question_key", "column names must be non-empty")
+    _validate_evaluation(c)
+
+
+def _validate_sizes(c: Config):
+    """Counts and batch sizes: each at least 1, a group of >= 2 generations per prompt, batches that divide, and a
+    validation period >= 0."""
+    g, p = c.grpo, c.policy
+    vc = p.generation.vllm_cfg
     for path, value in [("grpo.num_prompts_per_step", g.num_prompts_per_step), ("grpo.max_num_steps", g.max_num_steps),
                         ("policy.train_micro_batch_size", p.train_micro_batch_size),
                         ("policy.train_global_batch_size", p.train_global_batch_size),
@@ -450,6 +468,11 @@ def _validate(c: Config):
     _check(p.train_global_batch_size % p.train_micro_batch_size == 0, "policy.train_micro_batch_size",
            f"{p.train_micro_batch_size} must divide policy.train_global_batch_size = {p.train_global_batch_size}")
     _check(g.val_period >= 0, "grpo.val_period", f"must be >= 0 (0 = only at start/end), got {g.val_period}")
+
+
+def _validate_loss(c: Config):
+    """The loss: clip bounds, no reference-policy KL term, one importance weight only, and the IS mask bounds."""
+    lf = c.loss_fn
     _check(0.0 <= lf.ratio_clip_min < 1.0, "loss_fn.ratio_clip_min", f"must be in [0, 1), got {lf.ratio_clip_min}")
     _check(lf.ratio_clip_max >= 0.0, "loss_fn.ratio_clip_max", f"must be >= 0, got {lf.ratio_clip_max}")
     _check(lf.ratio_clip_c is None or lf.ratio_clip_c > 1.0, "loss_fn.ratio_clip_c",
@@ -465,12 +488,24 @@ def _validate(c: Config):
     if lf.is_mask_low is not None and lf.is_mask_high is not None:
         _check(0 <= lf.is_mask_low < 1 < lf.is_mask_high, "loss_fn.is_mask_low",
                f"need 0 <= is_mask_low < 1 < is_mask_high, got [{lf.is_mask_low}, {lf.is_mask_high}]")
+
+
+def _validate_optimizer_and_sampling(c: Config):
+    """The optimizer (gradient clip, learning rate, schedule floor) and the rollout sampling (temperature, top-p)."""
+    p = c.policy
     _check(p.max_grad_norm > 0, "policy.max_grad_norm", f"must be > 0, got {p.max_grad_norm}")
     _check(p.optimizer.lr > 0, "policy.optimizer.lr", f"must be > 0, got {p.optimizer.lr}")
     _check(0.0 <= p.scheduler.min_lr_ratio <= 1.0, "policy.scheduler.min_lr_ratio", "must be in [0, 1]")
     _check(p.generation.temperature > 0, "policy.generation.temperature",
            "must be > 0 for RL rollouts (logprobs of greedy decoding are not a policy)")
     _check(0 < p.generation.top_p <= 1, "policy.generation.top_p", f"must be in (0, 1], got {p.generation.top_p}")
+
+
+def _validate_fp8(c: Config):
+    """FP8 training and FP8 rollouts: BF16 layer counts >= 0, rollout FP8 keys only with FP8 rollouts (and, end to
+    end, equal to the trainer's), no FP8 training settings with FP8 training off, no FP8 parameter storage."""
+    p = c.policy
+    vc, f8 = p.generation.vllm_cfg, p.megatron_cfg.fp8_cfg
     for path, v in [("policy.generation.vllm_cfg.num_first_layers_in_bf16", vc.num_first_layers_in_bf16),
                     ("policy.generation.vllm_cfg.num_last_layers_in_bf16", vc.num_last_layers_in_bf16),
                     ("policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16", f8.num_first_layers_in_bf16),
@@ -492,7 +527,12 @@ def _validate(c: Config):
                "FP8 training settings given but policy.megatron_cfg.fp8_cfg.enabled is false")
     _check(not f8.fp8_param, "policy.megatron_cfg.fp8_cfg.fp8_param",
            "FP8 parameter storage is not supported (master weights stay BF16/FP32)")
-    # Keys kept so NeMo RL recipes load: accepted only with the value that means what we do.
+
+
+def _validate_nemo_keys(c: Config):
+    """Keys kept so NeMo RL recipes load: accepted only with the value that means what we do."""
+    p = c.policy
+    vc = p.generation.vllm_cfg
     _check(not p.megatron_cfg.enabled, "policy.megatron_cfg.enabled",
            "the trainer is Hugging Face transformers + fp8core, not Megatron-Core; set it to false (the "
            "policy.megatron_cfg.fp8_cfg section still configures our trainer's FP8)")
@@ -508,6 +548,11 @@ def _validate(c: Config):
     _check(p.tokenizer_name in (None, p.model_name), "policy.tokenizer_name",
            f"{p.tokenizer_name!r}: the tokenizer is loaded from the model directory (policy.model_name); a separate "
            "tokenizer is not supported, leave it null")
+
+
+def _validate_cluster(c: Config):
+    """The cluster and the Ray workers: node and worker counts, the collective timeout, restarts, each worker's
+    resources, and GPUs that fit the nodes."""
     _check(c.cluster.num_nodes >= 1 and c.cluster.gpus_per_node >= 0, "cluster.num_nodes",
            "num_nodes must be >= 1 and gpus_per_node >= 0")
     _check(c.cluster.num_nodes == 1 or c.ray.address is not None, "cluster.num_nodes",
@@ -530,6 +575,13 @@ def _validate(c: Config):
            f"cluster.policy_workers x ray.policy_worker.num_gpus + cluster.rollout_workers x "
            f"ray.rollout_worker.num_gpus = {gpus} exceed cluster.num_nodes * cluster.gpus_per_node = "
            f"{c.cluster.num_nodes * c.cluster.gpus_per_node}")
+
+
+def _validate_kv_and_calibration(c: Config):
+    """The FP8 KV cache and the calibrations: calibrated K/V scales with an FP8 cache (and the KV-only keys only with
+    one), and Calibrated Clipping (FP8 training only) with its period, search steps, ranges and starting bounds."""
+    lf, cal = c.loss_fn, c.calibration
+    vc, f8 = c.policy.generation.vllm_cfg, c.policy.megatron_cfg.fp8_cfg
     if not vc.kv_fp8:
         _check(vc.kv_cache_impl == "auto", "policy.generation.vllm_cfg.kv_cache_impl",
                f"{vc.kv_cache_impl} only applies with policy.generation.vllm_cfg.kv_cache_dtype=fp8")
@@ -557,6 +609,12 @@ def _validate(c: Config):
                f"must lie in calibration.clip_low_range {cal.clip_low_range}, got {cal.clip_init_low}")
         _check(cal.clip_high_range[0] <= cal.clip_init_high <= cal.clip_high_range[1], "calibration.clip_init_high",
                f"must lie in calibration.clip_high_range {cal.clip_high_range}, got {cal.clip_init_high}")
+
+
+def _validate_lengths(c: Config):
+    """Sequence lengths: a longest prompt plus its generation fits the engine's and the trainer's sequence length."""
+    p = c.policy
+    vc = p.generation.vllm_cfg
     _check(p.generation.max_new_tokens + c.data.max_input_seq_length <= vc.max_model_len,
            "policy.generation.vllm_cfg.max_model_len",
            f"{vc.max_model_len} is shorter than data.max_input_seq_length + policy.generation.max_new_tokens")
@@ -564,13 +622,15 @@ def _validate(c: Config):
            "policy.max_total_sequence_length",
            f"{p.max_total_sequence_length} < data.max_input_seq_length ({c.data.max_input_seq_length}) + "
            f"policy.generation.max_new_tokens ({p.generation.max_new_tokens})")
+
+
+def _validate_checkpointing(c: Config):
+    """Checkpointing: a save period and a number kept that make sense, and resume only with checkpoints on."""
     ck = c.checkpointing
     if ck.enabled:
         _check(ck.save_period >= 1, "checkpointing.save_period", f"must be >= 1, got {ck.save_period}")
         _check(ck.keep_last_k is None or ck.keep_last_k >= 1, "checkpointing.keep_last_k", "must be >= 1 or null")
     _check(not ck.resume or ck.enabled, "checkpointing.resume", "resume needs checkpointing.enabled: true")
-    _check(bool(c.data.question_key) and bool(c.data.answer_key), "data.question_key", "column names must be non-empty")
-    _validate_evaluation(c)
 
 
 _SET_NAME = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
