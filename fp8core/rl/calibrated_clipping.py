@@ -3,25 +3,29 @@
 Source: "Towards Full Pipeline FP8 Reinforcement Learning for LLMs" (Calibrated Clipping). FP8 forward passes add roughly
 multiplicative noise to the importance ratio ``r = pi_theta / pi_old``; with the BF16 bounds ``[1 - eps_low, 1 + eps_high]``
 more tokens land beyond the bounds, and in particular more negative-advantage tokens fall below ``1 - eps_low`` where the
-PPO min zeroes their gradient (the paper's failure signal, ``clip/lower_neg_adv_frac``). Every ``interval`` steps the
+PPO min zeroes their gradient (the paper's failure signal, ``clip/lower_neg_adv_frac``). Every ``clip_period`` steps the
 trainer runs a BF16 forward of the master weights for the old and current policy (forward only) next to its FP8 forward;
 the two ratio sets on the same tokens, with the advantages, give new bounds.
 
 Public API
 ----------
-``CalibratedClippingConfig`` (frozen dataclass; presets ``.grpo()`` -> BF16 reference [0.8, 1.24] and ``.dapo()`` ->
-[0.8, 1.28]): ``interval=20, low_range=(0.5, 0.9), high_range=(1.2, 2.0), step=0.02, max_delta_low=0.05,
-max_delta_high=0.1, init_low=0.6, init_high=1.8, ref_eps_low=0.2, ref_eps_high=0.24``.
-``CalibratedClipping(config)``: ``.bounds -> (L, H)``, ``.should_calibrate(step) -> bool``,
+``CalibratedClippingConfig`` (frozen dataclass, keyword-only, every field required): ``clip_period``,
+``clip_low_range``, ``clip_high_range``, ``clip_search_step``, ``clip_max_delta_low``, ``clip_max_delta_high``,
+``clip_init_low``, ``clip_init_high`` (the recipe's ``calibration.clip_*`` keys, same names) and ``ref_eps_low``,
+``ref_eps_high`` (the BF16 reference ``loss_fn.ratio_clip_min`` / ``ratio_clip_max``). A run builds it with
+``configs.schema.Config.calibrated_clipping_config()``; the defaults live only in the recipe schema
+(configs/schema.py, ``CalibrationCfg`` and ``LossFnCfg``).
+``CalibratedClipping(config)`` (config required): ``.bounds -> (L, H)``, ``.should_calibrate(step) -> bool``,
 ``.calibrate(step, ratio_fp8, ratio_bf16, advantages, mask=None, *, prob_fp8=None, prob_bf16=None) -> ((L, H),
 diagnostics)``, ``ratio_error_amplification(...)`` (diagnostic, below),
 ``.state_dict() -> dict`` (plain floats/ints, JSON-safe), ``.load_state_dict(d)``.
 
 Inputs: token level (GRPO/DAPO) ``ratio_* [B, T]`` with ``mask [B, T]`` and ``advantages [B]`` or ``[B, T]``; sequence
 level (GSPO, beyond the paper) ``ratio_* [N]`` (one ratio per sequence), ``advantages [N]``, ``mask [N]`` or None. For
-GSPO give the config GSPO-sized ranges/step/reference (e.g. eps ~ 3e-4); the objectives are unchanged.
+GSPO give the config GSPO-sized ranges/search step/reference (e.g. eps ~ 3e-4); the objectives are unchanged.
 
-Objectives (grid search over ``G_L = {low_range[0] + k*step} ∩ low_range``, ``G_H`` likewise; "r < L" and "r > H" strict)
+Objectives (grid search over ``G_L = {clip_low_range[0] + k*clip_search_step} ∩ clip_low_range``, ``G_H`` likewise;
+"r < L" and "r > H" strict)
 -------------------------------------------------------------------------------------------------------------------------
 Let ``N`` = valid tokens with ``A < 0``, ``P`` = valid tokens with ``A > 0``, ``L_ref = 1 - ref_eps_low``,
 ``H_ref = 1 + ref_eps_high``.
@@ -60,7 +64,8 @@ when FP8 and BF16 probabilities agree exactly (no FP8 error to amplify). ``Calib
 probabilities.
 
 ties: among equal objective values the grid point closest to the current bound wins (smallest change), then the smaller.
-smoothing: ``L_new = clamp(L + clamp(L* - L, ±max_delta_low), low_range)``, ``H_new`` likewise with ``max_delta_high``.
+smoothing: ``L_new = clamp(L + clamp(L* - L, ±clip_max_delta_low), clip_low_range)``, ``H_new`` likewise with
+``clip_max_delta_high`` and ``clip_high_range``.
 No negative- (positive-) advantage tokens in the batch: L (H) is left unchanged.
 """
 from __future__ import annotations
@@ -75,53 +80,46 @@ __all__ = ["CalibratedClippingConfig", "CalibratedClipping", "ratio_error_amplif
 _ROUND = 12  # decimals kept on bounds (grid points are exact decimals, not 0.6000000000000001)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CalibratedClippingConfig:
-    interval: int = 20
-    low_range: tuple[float, float] = (0.5, 0.9)
-    high_range: tuple[float, float] = (1.2, 2.0)
-    step: float = 0.02
-    max_delta_low: float = 0.05
-    max_delta_high: float = 0.1
-    init_low: float = 0.6
-    init_high: float = 1.8
-    ref_eps_low: float = 0.2
-    ref_eps_high: float = 0.24
+    """Calibrated Clipping's settings; no defaults here (configs/schema.py's ``CalibrationCfg`` holds them): build it
+    with ``configs.schema.Config.calibrated_clipping_config()``."""
+
+    clip_period: int  # calibrate every clip_period steps
+    clip_low_range: tuple[float, float]  # search range of L
+    clip_high_range: tuple[float, float]  # search range of H
+    clip_search_step: float  # grid step of both searches
+    clip_max_delta_low: float  # smoothing: largest change of L per calibration
+    clip_max_delta_high: float  # smoothing: largest change of H per calibration
+    clip_init_low: float  # bounds used until the first calibration
+    clip_init_high: float
+    ref_eps_low: float  # BF16 reference bounds [1 - ref_eps_low, 1 + ref_eps_high]
+    ref_eps_high: float
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"CalibratedClippingConfig.{name}: {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.interval, int) or self.interval < 1:
-            bad("interval", "must be an int >= 1")
-        for name in ("low_range", "high_range"):
+        if not isinstance(self.clip_period, int) or self.clip_period < 1:
+            bad("clip_period", "must be an int >= 1")
+        for name in ("clip_low_range", "clip_high_range"):
             rng = getattr(self, name)
             if len(rng) != 2 or not 0 < rng[0] < rng[1]:
                 bad(name, "must be (min, max) with 0 < min < max")
             object.__setattr__(self, name, (float(rng[0]), float(rng[1])))
-        if self.low_range[1] >= self.high_range[0]:
-            bad("low_range", "must lie below high_range")
-        for name in ("step", "max_delta_low", "max_delta_high"):
+        if self.clip_low_range[1] >= self.clip_high_range[0]:
+            bad("clip_low_range", "must lie below clip_high_range")
+        for name in ("clip_search_step", "clip_max_delta_low", "clip_max_delta_high"):
             if not getattr(self, name) > 0:
                 bad(name, "must be > 0")
-        if not self.low_range[0] <= self.init_low <= self.low_range[1]:
-            bad("init_low", f"must be inside low_range {self.low_range}")
-        if not self.high_range[0] <= self.init_high <= self.high_range[1]:
-            bad("init_high", f"must be inside high_range {self.high_range}")
+        if not self.clip_low_range[0] <= self.clip_init_low <= self.clip_low_range[1]:
+            bad("clip_init_low", f"must be inside clip_low_range {self.clip_low_range}")
+        if not self.clip_high_range[0] <= self.clip_init_high <= self.clip_high_range[1]:
+            bad("clip_init_high", f"must be inside clip_high_range {self.clip_high_range}")
         if not 0 < self.ref_eps_low < 1:
             bad("ref_eps_low", "must be in (0, 1)")
         if not self.ref_eps_high > 0:
             bad("ref_eps_high", "must be > 0")
-
-    @classmethod
-    def grpo(cls, **overrides) -> CalibratedClippingConfig:
-        """BF16 reference bounds [0.8, 1.24] (GRPO)."""
-        return cls(**{"ref_eps_low": 0.2, "ref_eps_high": 0.24, **overrides})
-
-    @classmethod
-    def dapo(cls, **overrides) -> CalibratedClippingConfig:
-        """BF16 reference bounds [0.8, 1.28] (DAPO clip-higher)."""
-        return cls(**{"ref_eps_low": 0.2, "ref_eps_high": 0.28, **overrides})
 
     @property
     def ref_low(self) -> float:
@@ -133,9 +131,9 @@ class CalibratedClippingConfig:
 
     def grid(self, which: str) -> torch.Tensor:
         """Candidate bounds for ``which`` in {"low", "high"} (float64, inclusive of both ends when on the step)."""
-        lo, hi = self.low_range if which == "low" else self.high_range
-        n = int((hi - lo) / self.step + 1e-9) + 1
-        vals = [round(lo + k * self.step, _ROUND) for k in range(n)]
+        lo, hi = self.clip_low_range if which == "low" else self.clip_high_range
+        n = int((hi - lo) / self.clip_search_step + 1e-9) + 1
+        vals = [round(lo + k * self.clip_search_step, _ROUND) for k in range(n)]
         return torch.tensor(vals, dtype=torch.float64)
 
 
@@ -215,10 +213,10 @@ def _step_toward(current: float, target: float, cap: float, rng: tuple[float, fl
 class CalibratedClipping:
     """Stateful Calibrated Clipping controller (objectives in the module docstring)."""
 
-    def __init__(self, config: CalibratedClippingConfig | None = None) -> None:
-        self.config = config or CalibratedClippingConfig()
-        self.low = float(self.config.init_low)
-        self.high = float(self.config.init_high)
+    def __init__(self, config: CalibratedClippingConfig) -> None:
+        self.config = config
+        self.low = float(config.clip_init_low)
+        self.high = float(config.clip_init_high)
         self.last_step: int | None = None
         self.num_calibrations = 0
 
@@ -227,8 +225,8 @@ class CalibratedClipping:
         return self.low, self.high
 
     def should_calibrate(self, step: int) -> bool:
-        """True on every ``interval``-th step (step > 0) not calibrated yet (so a resumed step is not redone)."""
-        return step > 0 and step % self.config.interval == 0 and step != self.last_step
+        """True on every ``clip_period``-th step (step > 0) not calibrated yet (so a resumed step is not redone)."""
+        return step > 0 and step % self.config.clip_period == 0 and step != self.last_step
 
     def calibrate(
         self,
@@ -265,7 +263,7 @@ class CalibratedClipping:
             target_low = _pick(grid_l, obj_l, old_low)
         else:
             target_low = old_low
-        new_low = _step_toward(old_low, target_low, cfg.max_delta_low, cfg.low_range)
+        new_low = _step_toward(old_low, target_low, cfg.clip_max_delta_low, cfg.clip_low_range)
 
         # ---- upper bound: match BF16's positive share of silenced update mass (cross-multiplied)
         wb_n, wb_p, wf_n, wf_p = a_n * rb_n, a_p * rb_p, a_n * rf_n, a_p * rf_p
@@ -280,7 +278,7 @@ class CalibratedClipping:
             target_high = _pick(grid_h, obj_h, old_high)
         else:
             target_high = old_high
-        new_high = _step_toward(old_high, target_high, cfg.max_delta_high, cfg.high_range)
+        new_high = _step_toward(old_high, target_high, cfg.clip_max_delta_high, cfg.clip_high_range)
 
         m_pos_f_new = float(wf_p[rf_p > new_high].sum())
         share = lambda p, n: p / (p + n) if p + n > 0 else 0.0  # noqa: E731
@@ -306,6 +304,8 @@ class CalibratedClipping:
         return (new_low, new_high), diag
 
     def state_dict(self) -> dict:
+        """``low``, ``high``, ``last_step``, ``num_calibrations`` (what ``load_state_dict`` reads back) and ``config``
+        (the settings, a record only: never read back)."""
         return {
             "low": self.low,
             "high": self.high,
@@ -320,10 +320,11 @@ class CalibratedClipping:
             if key not in state:
                 raise ValueError(f"CalibratedClipping state is missing key {key!r}")
         low, high = float(state["low"]), float(state["high"])
-        if not self.config.low_range[0] <= low <= self.config.low_range[1]:
-            raise ValueError(f"CalibratedClipping state 'low'={low} outside low_range {self.config.low_range}")
-        if not self.config.high_range[0] <= high <= self.config.high_range[1]:
-            raise ValueError(f"CalibratedClipping state 'high'={high} outside high_range {self.config.high_range}")
+        lo_rng, hi_rng = self.config.clip_low_range, self.config.clip_high_range
+        if not lo_rng[0] <= low <= lo_rng[1]:
+            raise ValueError(f"CalibratedClipping state 'low'={low} outside clip_low_range {lo_rng}")
+        if not hi_rng[0] <= high <= hi_rng[1]:
+            raise ValueError(f"CalibratedClipping state 'high'={high} outside clip_high_range {hi_rng}")
         self.low, self.high = low, high
         self.last_step = None if state["last_step"] is None else int(state["last_step"])
         self.num_calibrations = int(state["num_calibrations"])

@@ -1,10 +1,19 @@
 """Calibrated Clipping: hand-computed bounds, the FP8-noise simulation, smoothing caps, search limits, resume."""
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from configs.schema import config_from_dict
 from fp8core.rl import CalibratedClipping, CalibratedClippingConfig
+
+
+def _cfg(ref="grpo", **calibration):
+    """The recipe's Calibrated Clipping settings (schema defaults + these ``calibration.clip_*`` keys) with the BF16
+    reference of GRPO [0.8, 1.24] or DAPO [0.8, 1.28]."""
+    loss_fn = {"ratio_clip_min": 0.2, "ratio_clip_max": {"grpo": 0.24, "dapo": 0.28}[ref]}
+    return config_from_dict({"loss_fn": loss_fn, "calibration": calibration}).calibrated_clipping_config()
 
 
 def _hand_batch():
@@ -21,7 +30,7 @@ def test_hand_computed_bounds_without_smoothing():
     # Silenced mass: BF16 M- = 0.7, M+ = 1.3 + 1.5 = 2.8 (share 0.8). FP8 at L = 0.64: M- = 0.55.
     # |M+_fp8(H) * 0.7 - 2.8 * 0.55|: H < 1.35 -> |3.05*0.7 - 1.54| = 0.595; 1.35 <= H < 1.7 -> |1.19 - 1.54| = 0.35;
     # H >= 1.7 -> 1.54. Best: H in {1.36, ..., 1.68}; closest to current 1.24: 1.36.
-    cfg = CalibratedClippingConfig.grpo(init_low=0.8, init_high=1.24, max_delta_low=1.0, max_delta_high=1.0)
+    cfg = _cfg(clip_init_low=0.8, clip_init_high=1.24, clip_max_delta_low=1.0, clip_max_delta_high=1.0)
     cc = CalibratedClipping(cfg)
     fp8, bf16, adv = _hand_batch()
     (low, high), d = cc.calibrate(20, fp8, bf16, adv)
@@ -37,7 +46,7 @@ def test_hand_computed_bounds_with_default_smoothing():
     # same batch from the default initial bounds [0.6, 1.8]: the L plateau {0.56, ..., 0.64} contains 0.6 itself, so
     # L* = 0.6 (no move); the H plateau {1.36, ..., 1.68} is reached at its top (closest to 1.8): H* = 1.68, and the
     # 0.1 smoothing cap stops H at 1.8 - 0.1 = 1.7.
-    cc = CalibratedClipping(CalibratedClippingConfig.grpo())
+    cc = CalibratedClipping(_cfg())
     fp8, bf16, adv = _hand_batch()
     (low, high), d = cc.calibrate(20, fp8, bf16, adv)
     assert d["calib/target_low"] == 0.6 and low == 0.6
@@ -51,7 +60,7 @@ def test_token_and_sequence_layouts_agree():
     mask = torch.ones(2, 6)
     mask[:, 4:] = 0
     pad = lambda x, v: torch.cat([x.view(2, 4), torch.full((2, 2), v, dtype=x.dtype)], dim=1)  # noqa: E731
-    cfg = CalibratedClippingConfig.grpo(init_low=0.8, init_high=1.24, max_delta_low=1.0, max_delta_high=1.0)
+    cfg = _cfg(clip_init_low=0.8, clip_init_high=1.24, clip_max_delta_low=1.0, clip_max_delta_high=1.0)
     a = CalibratedClipping(cfg).calibrate(1, pad(fp8, 1e-6), pad(bf16, 1e6), torch.tensor([-1.0, 1.0]), mask)
     b = CalibratedClipping(cfg).calibrate(1, fp8, bf16, adv)
     assert a == b
@@ -78,12 +87,13 @@ def _pos_share(r, adv, low, high):
     return p / (p + m)
 
 
-@pytest.mark.parametrize("cfg", [CalibratedClippingConfig.grpo(), CalibratedClippingConfig.dapo()], ids=["grpo", "dapo"])
-def test_noise_simulation_restores_bf16_lower_clip_fraction(cfg):
+@pytest.mark.parametrize("ref", ["grpo", "dapo"])
+def test_noise_simulation_restores_bf16_lower_clip_fraction(ref):
+    cfg = _cfg(ref)
     cc = CalibratedClipping(cfg)
     lows = []
     for k in range(1, 7):  # 6 calibrations (steps 20, 40, ...) on fresh batches; smoothing needs ~4 to travel 0.6 -> 0.76
-        step = k * cfg.interval
+        step = k * cfg.clip_period
         assert cc.should_calibrate(step)
         rf, rb, adv = _simulate(seed=k)
         cc.calibrate(step, rf, rb, adv)
@@ -97,15 +107,16 @@ def test_noise_simulation_restores_bf16_lower_clip_fraction(cfg):
           f"{_pos_share(rb, adv, cfg.ref_low, cfg.ref_high):.3f} fp8 {_pos_share(rf, adv, cc.low, cc.high):.3f}")
     assert fp8_at_ref > 1.2 * bf16  # the noise raises the failure signal ...
     assert abs(fp8_cal - bf16) <= 0.1 * bf16  # ... and the calibrated L brings it back within 10% of BF16's
-    assert cc.high < cfg.init_high
+    assert cc.high < cfg.clip_init_high
     assert abs(_pos_share(rf, adv, cc.low, cc.high) - _pos_share(rb, adv, cfg.ref_low, cfg.ref_high)) < 0.05
 
 
 def test_noise_simulation_sequence_level_gspo():
-    # GSPO: one ratio per sequence (much tighter), with GSPO-sized ranges; same objectives
-    cfg = CalibratedClippingConfig(low_range=(0.99, 0.9998), high_range=(1.0002, 1.01), step=0.0002,
-                                   max_delta_low=1.0, max_delta_high=1.0, init_low=0.999, init_high=1.001,
-                                   ref_eps_low=0.003, ref_eps_high=0.004, interval=1)
+    # GSPO: one ratio per sequence (much tighter), with GSPO-sized ranges and reference; same objectives
+    cfg = CalibratedClippingConfig(clip_low_range=(0.99, 0.9998), clip_high_range=(1.0002, 1.01),
+                                   clip_search_step=0.0002, clip_max_delta_low=1.0, clip_max_delta_high=1.0,
+                                   clip_init_low=0.999, clip_init_high=1.001, ref_eps_low=0.003, ref_eps_high=0.004,
+                                   clip_period=1)
     cc = CalibratedClipping(cfg)
     rf, rb, adv = _simulate(seed=5, n=50_000, sigma_bf16=0.002, sigma_noise=0.0015)
     cc.calibrate(1, rf, rb, adv)
@@ -116,7 +127,7 @@ def test_noise_simulation_sequence_level_gspo():
 
 
 def test_smoothing_caps_and_search_limits_respected():
-    cfg = CalibratedClippingConfig.grpo()
+    cfg = _cfg()
     cc = CalibratedClipping(cfg)
     prev = cc.bounds
     targets = []
@@ -125,12 +136,14 @@ def test_smoothing_caps_and_search_limits_respected():
         rf, rb, adv = _simulate(seed=100 + k, n=5_000, sigma_bf16=0.1, sigma_noise=1.0)
         (low, high), d = cc.calibrate(k * 20, rf, rb, adv)
         targets.append((d["calib/target_low"], d["calib/target_high"]))
-        assert abs(low - prev[0]) <= cfg.max_delta_low + 1e-12 and abs(high - prev[1]) <= cfg.max_delta_high + 1e-12
-        assert cfg.low_range[0] <= low <= cfg.low_range[1] and cfg.high_range[0] <= high <= cfg.high_range[1]
+        assert abs(low - prev[0]) <= cfg.clip_max_delta_low + 1e-12
+        assert abs(high - prev[1]) <= cfg.clip_max_delta_high + 1e-12
+        assert cfg.clip_low_range[0] <= low <= cfg.clip_low_range[1]
+        assert cfg.clip_high_range[0] <= high <= cfg.clip_high_range[1]
         prev = (low, high)
-    assert all(cfg.low_range[0] <= t[0] <= cfg.low_range[1] for t in targets)
-    assert all(cfg.high_range[0] <= t[1] <= cfg.high_range[1] for t in targets)
-    assert cc.low == cfg.low_range[0]  # pinned at the search limit
+    assert all(cfg.clip_low_range[0] <= t[0] <= cfg.clip_low_range[1] for t in targets)
+    assert all(cfg.clip_high_range[0] <= t[1] <= cfg.clip_high_range[1] for t in targets)
+    assert cc.low == cfg.clip_low_range[0]  # pinned at the search limit
     # a target far away moves exactly by the cap: from 0.5 toward an almost-noise-free batch (L* ~ 0.8 >> 0.55)
     rf, rb, adv = _simulate(seed=7, n=20_000, sigma_bf16=0.2, sigma_noise=1e-4)
     (low, _), d = cc.calibrate(1000, rf, rb, adv)
@@ -138,7 +151,7 @@ def test_smoothing_caps_and_search_limits_respected():
 
 
 def test_state_dict_resume_continues_with_same_bounds():
-    cfg = CalibratedClippingConfig.dapo(interval=5)
+    cfg = _cfg("dapo", clip_period=5)
     a = CalibratedClipping(cfg)
     rf, rb, adv = _simulate(seed=1, n=20_000)
     a.calibrate(5, rf, rb, adv)
@@ -146,6 +159,10 @@ def test_state_dict_resume_continues_with_same_bounds():
     b = CalibratedClipping(cfg)
     b.load_state_dict(state)
     assert b.bounds == a.bounds and b.last_step == 5 and b.num_calibrations == 1
+    # a checkpoint written before the config fields were renamed (its "config" record is never read back) loads alike
+    old = CalibratedClipping(cfg)
+    old.load_state_dict({**state, "config": {"interval": 5, "low_range": [0.5, 0.9], "init_low": 0.6}})
+    assert old.bounds == b.bounds and old.last_step == 5 and old.num_calibrations == 1
     assert not b.should_calibrate(5) and not b.should_calibrate(7) and b.should_calibrate(10)
     rf, rb, adv = _simulate(seed=2, n=20_000)
     assert a.calibrate(10, rf, rb, adv) == b.calibrate(10, rf, rb, adv)
@@ -156,16 +173,19 @@ def test_state_dict_resume_continues_with_same_bounds():
 
 
 def test_config_validation_names_field():
-    with pytest.raises(ValueError, match="init_low"):
-        CalibratedClippingConfig(init_low=0.95)
-    with pytest.raises(ValueError, match="interval"):
-        CalibratedClippingConfig(interval=0)
-    with pytest.raises(ValueError, match="high_range"):
-        CalibratedClippingConfig(high_range=(2.0, 1.2))
-    assert CalibratedClippingConfig.grpo().ref_high == pytest.approx(1.24)
-    assert CalibratedClippingConfig.dapo().ref_high == pytest.approx(1.28)
-    assert CalibratedClippingConfig().grid("low")[[0, -1]].tolist() == [0.5, 0.9]
-    assert len(CalibratedClippingConfig().grid("high")) == 41
+    # the dataclass checks its own fields (dataclasses.replace re-runs them), naming the field in the message
+    with pytest.raises(ValueError, match=r"CalibratedClippingConfig\.clip_init_low"):
+        dataclasses.replace(_cfg(), clip_init_low=0.95)
+    with pytest.raises(ValueError, match=r"CalibratedClippingConfig\.clip_period"):
+        dataclasses.replace(_cfg(), clip_period=0)
+    with pytest.raises(ValueError, match=r"CalibratedClippingConfig\.clip_high_range"):
+        dataclasses.replace(_cfg(), clip_high_range=(2.0, 1.2))
+    with pytest.raises(TypeError):  # no defaults: the recipe schema is the one place of them
+        CalibratedClippingConfig(clip_period=20)
+    assert _cfg("grpo").ref_high == pytest.approx(1.24)
+    assert _cfg("dapo").ref_high == pytest.approx(1.28)
+    assert _cfg().grid("low")[[0, -1]].tolist() == [0.5, 0.9]
+    assert len(_cfg().grid("high")) == 41
 
 
 def test_ratio_error_amplification_hand_computed_and_masked():
@@ -202,7 +222,7 @@ def test_ratio_error_amplification_of_a_small_old_probability():
 
 def test_calibrate_logs_ratio_error_amplification_with_probabilities():
     fp8, bf16, adv = _hand_batch()
-    cfg = CalibratedClippingConfig.grpo()
+    cfg = _cfg()
     _, without = CalibratedClipping(cfg).calibrate(20, fp8, bf16, adv)
     assert "calib/ratio_error_amplification" not in without
     pb = torch.full_like(fp8, 0.5)
