@@ -44,7 +44,7 @@ def default_workload(assets_dir: str | Path = ROOT / "runs" / "assets", *, quick
         return Workload(model_dir=str(model), train_path=str(root / "sft-data" / "train.jsonl"))
     from embedded.bootstrap import ensure_default_assets
 
-    a = ensure_default_assets(assets_dir)
+    a = ensure_default_assets(assets_dir, task="arithmetic")
     return Workload(model_dir=str(a["model_dir"]), train_path=str(a["train"]))
 
 

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import yaml
 
 EMBEDDED = "embedded"  # policy.model_name / data paths: use the project's tiny model and synthetic math task
+DEFAULT_TASK = "addition"  # data.task when the recipe names none (the embedded tasks: embedded/tasks.py)
 
 
 class ConfigError(ValueError):
@@ -221,7 +222,7 @@ class DataCfg:
     strict ``\\boxed{}`` at the end) or ``arithmetic`` (one-fact word problems; also the GSM8K / OpenMathInstruct
     verifier: last ``\\boxed{}`` or last number)."""
 
-    task: Literal["addition", "arithmetic"] = "addition"
+    task: Literal["addition", "arithmetic"] = DEFAULT_TASK
     train_path: str = EMBEDDED
     validation_path: str = EMBEDDED
     question_key: str = "question"

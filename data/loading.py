@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from configs.schema import DEFAULT_TASK
+
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
 
 
@@ -88,7 +90,7 @@ def load_split(path: str, *, question_key: str = "question", answer_key: str = "
 def rows(ds, *, question_key: str, answer_key: str, indices, task: str | None = None) -> list[dict]:
     """Rows as {'id', 'question', 'answer'} dicts (answers as strings; ``id`` = the row's index in the file, so
     per-prompt results pair across runs) for the given indices; with ``task`` each row also carries it
-    (``data.task``: the verifier that scores its responses, embedded/verifiers.py)."""
+    (``data.task``: the task whose reward scores its responses, embedded/tasks.py)."""
     idx = [int(i) for i in indices]
     sub = ds.select(idx)
     extra = {} if task is None else {"task": task}
@@ -112,7 +114,7 @@ class PromptSource:
     """Both splits of a run; rows carry ``task`` (``data.task``) so the reward and validation pick its verifier."""
 
     def __init__(self, train, validation, *, question_key: str, answer_key: str, seed: int, shuffle: bool = True,
-                 task: str = "arithmetic"):
+                 task: str = DEFAULT_TASK):
         self.train, self.validation = train, validation
         self.question_key, self.answer_key = question_key, answer_key
         self.seed, self.shuffle, self.task = seed, shuffle, task

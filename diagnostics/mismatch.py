@@ -102,7 +102,7 @@ def quick_sft_model(root: str | Path, *, steps: int = 12, batch_size: int = 8, l
         return out
     base = build_tiny_model(root / "tiny-moe", TINY_MOE) if moe else build_tiny_model(root / "tiny")
     splits = generate_splits(root / "sft-data", n_train=500, n_validation=10)
-    return sft_bootstrap(base, splits["train"], out, cfg, log=lambda *_: None)
+    return sft_bootstrap(base, splits["train"], out, cfg, log=lambda *_: None, task="arithmetic")
 
 
 def flatten_results(results: list[dict]) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
@@ -256,12 +256,12 @@ def main(argv: list[str] | None = None) -> dict:
         model_dir = Path(args.model_dir)
     else:
         sft = SFTConfig() if args.sft_steps is None else SFTConfig(steps=args.sft_steps)
-        model_dir = ensure_default_assets(Path(args.assets_dir), sft=sft)["model_dir"]
+        model_dir = ensure_default_assets(Path(args.assets_dir), task="arithmetic", sft=sft)["model_dir"]
     tok = _tokenizer(model_dir)
     import random
 
     rng = random.Random(1234)
-    prompts = [chat_prompt(tok, make_problem(rng)["question"]) for _ in range(args.prompts)]
+    prompts = [chat_prompt(tok, make_problem(rng)["question"], "arithmetic") for _ in range(args.prompts)]
     base = RolloutConfig(fp8_recipe=args.fp8_recipe, num_first_layers_in_bf16=args.num_first_layers_in_bf16,
                          num_last_layers_in_bf16=args.num_last_layers_in_bf16,
                          pow2_weight_scaling_factors=args.pow2, pow2_activation_scaling_factors=args.pow2)

@@ -1,4 +1,5 @@
-"""The embedded RL task: multi-digit addition written as a column-by-column scratchpad, and its strict verifier.
+"""The embedded RL task (``data.task: addition``, the default): multi-digit addition written as a column-by-column
+scratchpad, and its strict verifier. All of it is :class:`AdditionTask`.
 
 Why this task (DESIGN.md, "Facts measured on landed code"): on the one-fact arithmetic task (embedded/math_task.py)
 what GRPO reinforces on one prompt barely transfers to the next, so validation stays flat. Here every problem is
@@ -13,10 +14,10 @@ the units digit of every earlier sum, last column first. The skills are shared b
 digits, add three digits, carry when the previous sum was >= 10, read the answer back in reverse order), so a
 correction reinforced on one prompt helps on all of them; the number of columns sets the difficulty.
 
-Reward and format (``verify``): a response is *format-valid* when it ends with ``\\boxed{<digits>}`` (optionally
-followed by ``.``) and holds exactly one ``\\boxed{}``; it is *correct* when it is format-valid and the boxed
-integer equals the sum. The scratchpad is not graded (outcome reward only); a gain that is only formatting shows as
-``format_valid`` rising without ``accuracy``.
+Reward and format (:meth:`AdditionTask.reward`, ``verify``): a response is *format-valid* when it ends with
+``\\boxed{<digits>}`` (optionally followed by ``.``) and holds exactly one ``\\boxed{}``; it is *correct* (reward
+1.0) when it is format-valid and the boxed integer equals the sum. The scratchpad is not graded (outcome reward
+only); a gain that is only formatting shows as ``format_valid`` rising without ``accuracy``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from embedded.math_task import boxed_contents, reference_answer
+from embedded.math_task import SYSTEM_PROMPT, boxed_contents, reference_answer
 
 NAME = "addition"
 _TEMPLATES = ["What is {a} + {b}?", "Add {a} and {b}.", "Compute {a} + {b}.", "Find the sum of {a} and {b}."]
@@ -83,33 +84,9 @@ def scratchpad(a: int, b: int, *, forget=lambda column: False) -> str:
     return " ".join(cols) + f" The answer is \\boxed{{{answer}}}."
 
 
-def make_problem(rng: random.Random, spec: AdditionSpec | None = None, *, teacher: bool = False) -> dict:
-    """One problem: question, answer (the true sum, as a string) and a scratchpad solution: the noisy teacher's
-    (``spec.carry_drop``) when ``teacher``, else the clean one."""
-    spec = spec or AdditionSpec()
-    a = _operand(rng, rng.randint(spec.min_digits, spec.max_digits))
-    b = _operand(rng, rng.randint(spec.min_digits, spec.max_digits))
-    question = rng.choice(_TEMPLATES).format(a=a, b=b)
-    drop = spec.carry_drop if teacher else 0.0
-    return {"question": question, "answer": str(a + b), "solution": scratchpad(a, b, forget=lambda i: rng.random() < drop)}
-
-
 def _pair(row: dict) -> tuple[int, int]:
     a, b = (int(v) for v in re.findall(r"\d+", row["question"]))
     return min(a, b), max(a, b)
-
-
-def _rows(rng: random.Random, spec: AdditionSpec | None, count: int, *, teacher: bool,
-          seen: set[tuple[int, int]]) -> list[dict]:
-    """``count`` problems whose operand pairs (either order) are not in ``seen``; adds them to ``seen``."""
-    rows = []
-    while len(rows) < count:
-        row = make_problem(rng, spec, teacher=teacher)
-        if _pair(row) in seen:
-            continue
-        seen.add(_pair(row))
-        rows.append(row)
-    return rows
 
 
 def _write(path: Path, rows: list[dict]) -> Path:
@@ -117,24 +94,6 @@ def _write(path: Path, rows: list[dict]) -> Path:
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tmp.replace(path)
     return path
-
-
-def generate_splits(out_dir: str | Path, *, n_train: int = 20000, n_validation: int = 500, seed: int = 0,
-                    spec: AdditionSpec | None = None, n_sft: int = 0, sft_spec: AdditionSpec | None = None
-                    ) -> dict[str, Path]:
-    """Write ``validation.jsonl`` and ``train.jsonl`` (question / answer / solution: clean in validation, the
-    teacher's in train) from ``spec``, and with ``n_sft`` > 0 also ``sft.jsonl`` (the SFT warm start's rows, the
-    teacher's solutions, from ``sft_spec``: its operands may be longer than the RL prompts'). No operand pair
-    appears in two splits (in either order)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    seen: set[tuple[int, int]] = set()
-    paths = {"validation": _write(out / "validation.jsonl", _rows(rng, spec, n_validation, teacher=False, seen=seen)),
-             "train": _write(out / "train.jsonl", _rows(rng, spec, n_train, teacher=True, seen=seen))}
-    if n_sft:
-        paths["sft"] = _write(out / "sft.jsonl", _rows(rng, sft_spec or spec, n_sft, teacher=True, seen=seen))
-    return paths
 
 
 def final_answer(response: str) -> str | None:
@@ -145,15 +104,76 @@ def final_answer(response: str) -> str | None:
     return m.group(1) if m else None
 
 
-def verify(response: str, answer: str) -> tuple[bool, bool]:
-    """(format_valid, correct) of one response against the gold answer ('5119' or GSM8K-style '... #### 5119')."""
-    pred = final_answer(response)
-    if pred is None:
-        return False, False
-    gold = reference_answer(answer).replace(",", "").strip()
-    return True, gold.isdigit() and int(pred) == int(gold)
+class AdditionTask:
+    """``data.task: addition`` (the default): its data (``make_problem``, ``generate_splits``), its prompt
+    (``system_prompt``) and its reward (``reward``; ``verify`` = (format-valid, correct) for the RL step and
+    validation)."""
+
+    name = NAME
+    system_prompt = SYSTEM_PROMPT  # the arithmetic task's: both tasks answer in the same \boxed{} form
+
+    def make_problem(self, rng: random.Random, spec: AdditionSpec | None = None, *, teacher: bool = False) -> dict:
+        """One problem: question, answer (the true sum, as a string) and a scratchpad solution: the noisy teacher's
+        (``spec.carry_drop``) when ``teacher``, else the clean one."""
+        spec = spec or AdditionSpec()
+        a = _operand(rng, rng.randint(spec.min_digits, spec.max_digits))
+        b = _operand(rng, rng.randint(spec.min_digits, spec.max_digits))
+        question = rng.choice(_TEMPLATES).format(a=a, b=b)
+        drop = spec.carry_drop if teacher else 0.0
+        return {"question": question, "answer": str(a + b),
+                "solution": scratchpad(a, b, forget=lambda i: rng.random() < drop)}
+
+    def _rows(self, rng: random.Random, spec: AdditionSpec | None, count: int, *, teacher: bool,
+              seen: set[tuple[int, int]]) -> list[dict]:
+        """``count`` problems whose operand pairs (either order) are not in ``seen``; adds them to ``seen``."""
+        rows = []
+        while len(rows) < count:
+            row = self.make_problem(rng, spec, teacher=teacher)
+            if _pair(row) in seen:
+                continue
+            seen.add(_pair(row))
+            rows.append(row)
+        return rows
+
+    def generate_splits(self, out_dir: str | Path, *, n_train: int = 20000, n_validation: int = 500, seed: int = 0,
+                        spec: AdditionSpec | None = None, n_sft: int = 0, sft_spec: AdditionSpec | None = None
+                        ) -> dict[str, Path]:
+        """Write ``validation.jsonl`` and ``train.jsonl`` (question / answer / solution: clean in validation, the
+        teacher's in train) from ``spec``, and with ``n_sft`` > 0 also ``sft.jsonl`` (the SFT warm start's rows, the
+        teacher's solutions, from ``sft_spec``: its operands may be longer than the RL prompts'). No operand pair
+        appears in two splits (in either order)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        rng = random.Random(seed)
+        seen: set[tuple[int, int]] = set()
+        paths = {"validation": _write(out / "validation.jsonl",
+                                      self._rows(rng, spec, n_validation, teacher=False, seen=seen)),
+                 "train": _write(out / "train.jsonl", self._rows(rng, spec, n_train, teacher=True, seen=seen))}
+        if n_sft:
+            paths["sft"] = _write(out / "sft.jsonl", self._rows(rng, sft_spec or spec, n_sft, teacher=True, seen=seen))
+        return paths
+
+    def format_valid(self, response: str) -> bool:
+        """Exactly one ``\\boxed{digits}``, at the end of the response (optionally followed by ``.``)."""
+        return final_answer(response) is not None
+
+    def reward(self, response: str, answer: str) -> float:
+        """1.0 for a format-valid response whose boxed integer equals the gold answer ('5119' or GSM8K-style
+        '... #### 5119'), else 0.0. The scratchpad is not graded (outcome reward only)."""
+        pred = final_answer(response)
+        if pred is None:
+            return 0.0
+        gold = reference_answer(answer).replace(",", "").strip()
+        return 1.0 if gold.isdigit() and int(pred) == int(gold) else 0.0
+
+    def verify(self, response: str, answer: str) -> tuple[bool, bool]:
+        """(format_valid, correct); correct = a full reward."""
+        return self.format_valid(response), self.reward(response, answer) == 1.0
 
 
-def reward(response: str, answer: str) -> float:
-    """1.0 for a format-valid, correct final answer, else 0.0."""
-    return 1.0 if verify(response, answer)[1] else 0.0
+TASK = AdditionTask()
+# The module's functions, as before (callers and tests import them by name).
+make_problem = TASK.make_problem
+generate_splits = TASK.generate_splits
+verify = TASK.verify
+reward = TASK.reward

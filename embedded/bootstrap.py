@@ -1,7 +1,8 @@
 """Embedded-default assets: synthetic data splits + tiny Qwen3 + a short supervised (SFT) warm start, cached on disk.
 
-Two embedded tasks (``data.task``): ``addition`` (the default, embedded/addition_task.py: a column-by-column
-scratchpad whose skill transfers across prompts) and ``arithmetic`` (embedded/math_task.py: one fact per prompt).
+Two embedded tasks (``data.task``, embedded/tasks.py): ``addition`` (the default, embedded/addition_task.py: a
+column-by-column scratchpad whose skill transfers across prompts) and ``arithmetic`` (embedded/math_task.py: one fact
+per prompt).
 
 RL needs signal: a randomly initialised model never writes a correct answer, so every GRPO group would have equal
 rewards and zero advantages. ``sft_bootstrap`` teaches the answer format and some arithmetic on the train split
@@ -26,8 +27,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from embedded import addition_task, math_task
+from embedded.tasks import DEFAULT_TASK, get_task
 from embedded.tiny_model import TINY_MOE, TinyModelSpec, build_tiny_model, chat_prompt
-from embedded.verifiers import verify
 
 ADDITION_SFT_STEPS = 325
 ADDITION_SFT_LR = 3e-3
@@ -63,16 +64,17 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def _encode(tokenizer, row: dict) -> tuple[list[int], int]:
-    prompt_ids = tokenizer(chat_prompt(tokenizer, row["question"]), add_special_tokens=False).input_ids
+def _encode(tokenizer, row: dict, task: str) -> tuple[list[int], int]:
+    prompt_ids = tokenizer(chat_prompt(tokenizer, row["question"], task), add_special_tokens=False).input_ids
     target_ids = tokenizer(row["solution"] + tokenizer.eos_token, add_special_tokens=False).input_ids
     return prompt_ids + target_ids, len(prompt_ids)
 
 
 def sft_bootstrap(model_dir: str | Path, train_path: str | Path, out_dir: str | Path, cfg: SFTConfig | None = None,
-                  *, log=print, marker: dict | None = None) -> Path:
-    """Supervised warm start of the model at ``model_dir`` on ``train_path``'s solutions; saves HF format to
-    ``out_dir``, whose ``.complete`` marker (written last) holds ``marker`` (default: the SFT recipe)."""
+                  *, log=print, marker: dict | None = None, task: str = DEFAULT_TASK) -> Path:
+    """Supervised warm start of the model at ``model_dir`` on ``train_path``'s solutions (prompted as ``task``'s);
+    saves HF format to ``out_dir``, whose ``.complete`` marker (written last) holds ``marker`` (default: the SFT
+    recipe)."""
     cfg = cfg or SFTConfig()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,7 +87,7 @@ def sft_bootstrap(model_dir: str | Path, train_path: str | Path, out_dir: str | 
     rows = _read_jsonl(Path(train_path))
     if not rows or "solution" not in rows[0]:
         raise ValueError(f"{train_path}: SFT bootstrap needs rows with question/solution columns")
-    encoded = [_encode(tokenizer, r) for r in rows]
+    encoded = [_encode(tokenizer, r, task) for r in rows]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)) * max(0.05, 1 - s / max(1, cfg.steps)))
@@ -121,7 +123,7 @@ def sft_bootstrap(model_dir: str | Path, train_path: str | Path, out_dir: str | 
 
 
 def greedy_accuracy(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int = 24, batch_size: int = 64,
-                    task: str = "arithmetic") -> float:
+                    task: str = DEFAULT_TASK) -> float:
     """Greedy-decoding accuracy of an HF model on rows with question/answer (a quick check; RL validation uses vLLM)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,13 +134,13 @@ def greedy_accuracy(model_dir: str | Path, rows: list[dict], *, max_new_tokens: 
     correct = 0
     for i in range(0, len(rows), batch_size):
         chunk = rows[i: i + batch_size]
-        enc = tokenizer([chat_prompt(tokenizer, r["question"]) for r in chunk], return_tensors="pt", padding=True,
-                        add_special_tokens=False)
+        enc = tokenizer([chat_prompt(tokenizer, r["question"], task) for r in chunk], return_tensors="pt",
+                        padding=True, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
-        correct += sum(verify(task, t, r["answer"])[1] for t, r in zip(texts, chunk, strict=True))
+        correct += sum(get_task(task).verify(t, r["answer"])[1] for t, r in zip(texts, chunk, strict=True))
     return correct / max(1, len(rows))
 
 
@@ -159,7 +161,7 @@ def default_sft(task: str, *, seed: int = 0, steps: int | None = None) -> SFTCon
 MODELS = ("dense", "moe")  # bootstrap.model: the tiny dense Qwen3 or its Mixture-of-Experts twin (TINY_MOE)
 
 
-def ensure_default_assets(root: str | Path, *, task: str = "arithmetic", sft: SFTConfig | None = None,
+def ensure_default_assets(root: str | Path, *, task: str = DEFAULT_TASK, sft: SFTConfig | None = None,
                           spec: TinyModelSpec | None = None, n_train: int | None = None,
                           n_validation: int | None = None, n_sft: int | None = None, log=print,
                           model: str = "dense") -> dict[str, Path]:
@@ -203,5 +205,5 @@ def ensure_default_assets(root: str | Path, *, task: str = "arithmetic", sft: SF
     key = {**asdict(sft), "data": data_key, "base": spec.key()}  # the SFT recipe, its data and its base model
     if not (marker.exists() and json.loads(marker.read_text()) == key):
         log(f"bootstrap: SFT warm start of {base} on {task} ({sft.steps} steps) -> {sft_dir}")
-        sft_bootstrap(base, splits.get("sft", splits["train"]), sft_dir, sft, log=log, marker=key)
+        sft_bootstrap(base, splits.get("sft", splits["train"]), sft_dir, sft, log=log, marker=key, task=task)
     return {"model_dir": sft_dir, "base_model_dir": base, **splits}

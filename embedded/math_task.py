@@ -1,4 +1,5 @@
-"""The embedded default task: synthetic arithmetic word problems with one integer answer, and its verifier.
+"""The one-fact arithmetic task (``data.task: arithmetic``): synthetic word problems with one integer answer, and its
+verifier -- also the verifier of GSM8K / OpenMathInstruct-2 files. All of it is :class:`ArithmeticTask`.
 
 Rows use the GSM8K layout (``question``, ``answer`` where the answer may end in ``#### 42``); OpenMathInstruct-2 style
 files (``problem`` / ``expected_answer``) work by naming the columns in the config (``data.question_key``,
@@ -6,7 +7,8 @@ files (``problem`` / ``expected_answer``) work by naming the columns in the conf
 
 The model answers in the form ``... = 68. The answer is \\boxed{68}.``; the verifier extracts the last ``\\boxed{}``
 (or, failing that, the last number), normalizes it and compares numerically; ``math-verify`` is the fallback for
-anything that is not a plain number (fractions, expressions).
+anything that is not a plain number (fractions, expressions). Format-valid = the response holds a ``\\boxed{}`` (a
+correct answer found by the last-number fallback is correct but not format-valid).
 """
 
 from __future__ import annotations
@@ -31,54 +33,6 @@ _TEMPLATES = [
 ]
 
 SYSTEM_PROMPT = "Solve the problem. End with: The answer is \\boxed{N}."
-
-
-def make_problem(rng: random.Random, *, max_operand: int = 20) -> dict:
-    """One problem: question text, integer answer (as a string) and a worked solution used by the SFT bootstrap.
-
-    Operands of + and - lie in [1, max_operand]; products use factors 2..9 (sized so that a ~3M-parameter model gets
-    a minority of answers right after a short SFT, leaving room for RL).
-    """
-    text, op = rng.choice(_TEMPLATES)
-    if op == "*":
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
-    else:
-        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
-        if op == "-" and b > a:
-            a, b = b, a
-    x, y = rng.sample(_NAMES, 2)
-    question = text.format(a=a, b=b, x=x, y=y, t=rng.choice(_THINGS))
-    value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    solution = f"{a} {op} {b} = {value}. The answer is \\boxed{{{value}}}."
-    return {"question": question, "answer": str(value), "solution": solution}
-
-
-def generate_splits(out_dir: str | Path, *, n_train: int = 4000, n_validation: int = 200, seed: int = 0,
-                    max_operand: int = 20) -> dict[str, Path]:
-    """Write ``train.jsonl`` and ``validation.jsonl`` (columns question / answer / solution) and return their paths.
-
-    Validation questions never appear in train (deduplicated on the question text).
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    splits = {"validation": n_validation, "train": n_train}
-    paths = {}
-    for name, count in splits.items():
-        rows = []
-        while len(rows) < count:
-            row = make_problem(rng, max_operand=max_operand)
-            if row["question"] in seen:
-                continue
-            seen.add(row["question"])
-            rows.append(row)
-        path = out / f"{name}.jsonl"
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
-        paths[name] = path
-    return paths
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -129,25 +83,95 @@ def extract_answer(response: str) -> str | None:
     return normalize_number(candidate) if _NUMBER.fullmatch(candidate.replace(",", "")) else (candidate or None)
 
 
+
+
+class ArithmeticTask:
+    """``data.task: arithmetic``: its data (``make_problem``, ``generate_splits``), its prompt (``system_prompt``) and
+    its reward (``reward``; ``verify`` = (format-valid, correct) for the RL step and validation)."""
+
+    name = "arithmetic"
+    system_prompt = SYSTEM_PROMPT
+
+    def make_problem(self, rng: random.Random, *, max_operand: int = 20) -> dict:
+        """One problem: question text, integer answer (as a string) and a worked solution used by the SFT bootstrap.
+
+        Operands of + and - lie in [1, max_operand]; products use factors 2..9 (sized so that a ~3M-parameter model
+        gets a minority of answers right after a short SFT, leaving room for RL).
+        """
+        text, op = rng.choice(_TEMPLATES)
+        if op == "*":
+            a, b = rng.randint(2, 9), rng.randint(2, 9)
+        else:
+            a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+            if op == "-" and b > a:
+                a, b = b, a
+        x, y = rng.sample(_NAMES, 2)
+        question = text.format(a=a, b=b, x=x, y=y, t=rng.choice(_THINGS))
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        solution = f"{a} {op} {b} = {value}. The answer is \\boxed{{{value}}}."
+        return {"question": question, "answer": str(value), "solution": solution}
+
+    def generate_splits(self, out_dir: str | Path, *, n_train: int = 4000, n_validation: int = 200, seed: int = 0,
+                        max_operand: int = 20) -> dict[str, Path]:
+        """Write ``train.jsonl`` and ``validation.jsonl`` (columns question / answer / solution) and return their
+        paths. Validation questions never appear in train (deduplicated on the question text)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        rng = random.Random(seed)
+        seen: set[str] = set()
+        splits = {"validation": n_validation, "train": n_train}
+        paths = {}
+        for name, count in splits.items():
+            rows = []
+            while len(rows) < count:
+                row = self.make_problem(rng, max_operand=max_operand)
+                if row["question"] in seen:
+                    continue
+                seen.add(row["question"])
+                rows.append(row)
+            path = out / f"{name}.jsonl"
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(path)
+            paths[name] = path
+        return paths
+
+    def format_valid(self, response: str) -> bool:
+        """The response holds a ``\\boxed{}``."""
+        return bool(boxed_contents(response))
+
+    def reward(self, response: str, answer: str) -> float:
+        """1.0 when the final answer (last ``\\boxed{}``, else the last number) equals the gold answer, else 0.0:
+        numeric comparison after normalization; math-verify for non-numeric gold answers (fractions, expressions)."""
+        gold = reference_answer(answer)
+        pred = extract_answer(response)
+        if pred is None:
+            return 0.0
+        gold_num = normalize_number(gold) if _NUMBER.fullmatch(gold.replace(",", "").strip()) else None
+        if gold_num is not None:
+            return 1.0 if pred == gold_num else 0.0
+        import logging
+
+        from math_verify import parse, verify  # only for non-numeric answers: sympy import is slow
+
+        # Timeouts off: math-verify's are signal-based and fail outside the main thread (Ray actors, Prefect tasks).
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+        correct = verify(parse(f"${gold}$", parsing_timeout=None), parse(f"${pred}$", parsing_timeout=None),
+                         timeout_seconds=None)
+        return 1.0 if correct else 0.0
+
+    def verify(self, response: str, answer: str) -> tuple[bool, bool]:
+        """(format_valid, correct); correct = a full reward."""
+        return self.format_valid(response), self.reward(response, answer) == 1.0
+
+
+TASK = ArithmeticTask()
+# The module's functions, as before (callers and tests import them by name).
+make_problem = TASK.make_problem
+generate_splits = TASK.generate_splits
+reward = TASK.reward
+
+
 def is_correct(response: str, answer: str) -> bool:
-    """Numeric comparison after normalization; math-verify for non-numeric gold answers (fractions, expressions)."""
-    gold = reference_answer(answer)
-    pred = extract_answer(response)
-    if pred is None:
-        return False
-    gold_num = normalize_number(gold) if _NUMBER.fullmatch(gold.replace(",", "").strip()) else None
-    if gold_num is not None:
-        return pred == gold_num
-    import logging
-
-    from math_verify import parse, verify  # only for non-numeric answers: sympy import is slow
-
-    # Timeouts off: math-verify's are signal-based and fail outside the main thread (Ray actors, Prefect tasks).
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    return bool(verify(parse(f"${gold}$", parsing_timeout=None), parse(f"${pred}$", parsing_timeout=None),
-                       timeout_seconds=None))
-
-
-def reward(response: str, answer: str) -> float:
-    """1.0 for a correct final answer, else 0.0."""
-    return 1.0 if is_correct(response, answer) else 0.0
+    """The response's final answer equals the gold answer (:meth:`ArithmeticTask.reward` is 1.0)."""
+    return TASK.reward(response, answer) == 1.0

@@ -21,8 +21,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from embedded import addition_task
-from embedded.math_task import SYSTEM_PROMPT, make_problem
+from embedded.tasks import DEFAULT_TASK, get_task
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
@@ -85,11 +84,13 @@ def _corpus(n: int, seed: int) -> list[str]:
     """Chat-formatted text of both embedded tasks (one-fact arithmetic and scratchpad addition, alternating), so one
     tokenizer serves either task."""
     rng = random.Random(seed + 1)
+    tasks = get_task("arithmetic"), get_task("addition")
     lines = []
     for i in range(n):
-        row = make_problem(rng) if i % 2 == 0 else addition_task.make_problem(rng)
-        lines.append(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{row['question']}<|im_end|>\n"
-                     f"<|im_start|>assistant\n{row['solution']}<|im_end|>\n")
+        task = tasks[i % 2]
+        row = task.make_problem(rng)
+        lines.append(f"<|im_start|>system\n{task.system_prompt}<|im_end|>\n<|im_start|>user\n{row['question']}"
+                     f"<|im_end|>\n<|im_start|>assistant\n{row['solution']}<|im_end|>\n")
     return lines
 
 
@@ -168,7 +169,8 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, *, 
     return out
 
 
-def chat_prompt(tokenizer, question: str) -> str:
-    """The prompt text the policy sees for one question (system + user turn, generation prompt)."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+def chat_prompt(tokenizer, question: str, task: str = DEFAULT_TASK) -> str:
+    """The prompt text the policy sees for one question (system + user turn, generation prompt); the system turn is
+    ``task``'s ``system_prompt`` (embedded/tasks.py; the same text for every task today)."""
+    messages = [{"role": "system", "content": get_task(task).system_prompt}, {"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -1,29 +1,19 @@
-"""Which verifier scores a response: ``data.task`` names it (and, for ``embedded`` data, the generator too).
+"""Score a response by task name: ``verify(task, response, answer)`` -> ``(format_valid, correct)`` and ``reward``.
 
-* ``addition`` (the embedded default): embedded/addition_task.py. Format-valid = exactly one ``\\boxed{digits}``,
-  at the end of the response; correct = format-valid and equal to the gold sum.
-* ``arithmetic``: embedded/math_task.py, also the verifier for GSM8K / OpenMathInstruct-2 files. Correct = the last
-  ``\\boxed{}`` (else the last number) equals the gold answer (math-verify for non-numeric gold); format-valid = the
-  response holds a ``\\boxed{}`` (a correct answer found by the last-number fallback is correct but not format-valid).
-
-``verify(task, response, answer)`` returns ``(format_valid, correct)``; reward = 1.0 when correct.
+One line each over the task classes (embedded/tasks.py, where the registry and how to change a reward are
+described): ``addition`` -> embedded/addition_task.AdditionTask, ``arithmetic`` -> embedded/math_task.ArithmeticTask.
 """
 
 from __future__ import annotations
 
-from embedded import addition_task, math_task
+from embedded.tasks import TASKS, get_task
 
-TASKS = ("addition", "arithmetic")
-DEFAULT_TASK = "addition"
+__all__ = ["TASKS", "reward", "verify"]
 
 
 def verify(task: str, response: str, answer: str) -> tuple[bool, bool]:
-    if task == "addition":
-        return addition_task.verify(response, answer)
-    if task == "arithmetic":
-        return bool(math_task.boxed_contents(response)), math_task.is_correct(response, answer)
-    raise ValueError(f"data.task: unknown task {task!r} (one of {', '.join(TASKS)})")
+    return get_task(task).verify(response, answer)
 
 
 def reward(task: str, response: str, answer: str) -> float:
-    return 1.0 if verify(task, response, answer)[1] else 0.0
+    return get_task(task).reward(response, answer)

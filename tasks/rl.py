@@ -96,8 +96,9 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
 
 
 def _verify(row: dict, text: str) -> tuple[bool, bool]:
-    """(format_valid, correct) with the verifier of the row's task (``data.task``; rows without one: arithmetic)."""
-    return verify(row.get("task", "arithmetic"), text, row["answer"])
+    """(format_valid, correct) from the reward of the row's task (``data.task``, which every row carries: PromptSource
+    and the evaluation sets attach it; the tasks and their rewards: embedded/tasks.py)."""
+    return verify(row["task"], text, row["answer"])
 
 
 @task(name="reward", **TASK)

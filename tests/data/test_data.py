@@ -56,7 +56,7 @@ def test_step_indices_deterministic_and_resumable():
 def test_prompt_source_rows(tmp_path):
     jl, pq = _write(tmp_path)
     kw = dict(question_key="problem", answer_key="expected_answer")
-    src = PromptSource(load_split(str(jl), **kw), load_split(str(pq), **kw), seed=0, **kw)
+    src = PromptSource(load_split(str(jl), **kw), load_split(str(pq), **kw), seed=0, task="arithmetic", **kw)
     rows = src.train_rows(0, 4)
     assert len(rows) == 4 and set(rows[0]) == {"id", "question", "answer", "task"}
     assert rows[0]["task"] == "arithmetic"  # the verifier that scores them (data.task); GSM8K-style files

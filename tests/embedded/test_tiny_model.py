@@ -41,8 +41,8 @@ def test_build_load_and_cache(tmp_path):
 def test_sft_bootstrap_learns_the_format(tmp_path):
     from embedded.bootstrap import SFTConfig, ensure_default_assets, greedy_accuracy
 
-    assets = ensure_default_assets(tmp_path, spec=SMALL, sft=SFTConfig(steps=60, batch_size=16), n_train=400,
-                                   n_validation=16, log=lambda *_: None)
+    assets = ensure_default_assets(tmp_path, task="arithmetic", spec=SMALL, sft=SFTConfig(steps=60, batch_size=16),
+                                   n_train=400, n_validation=16, log=lambda *_: None)
     rows = [json.loads(line) for line in assets["validation"].read_text().splitlines()]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,7 +53,7 @@ def test_sft_bootstrap_learns_the_format(tmp_path):
         out = model.generate(**enc, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
     text = tok.decode(out[0, enc.input_ids.shape[1]:])
     assert "\\boxed{" in text and "<|im_end|>" in text  # the answer format is learned in 60 steps
-    assert 0.0 <= greedy_accuracy(assets["model_dir"], rows) <= 1.0
+    assert 0.0 <= greedy_accuracy(assets["model_dir"], rows, task="arithmetic") <= 1.0
     marker = json.loads((assets["model_dir"] / ".complete").read_text())
     assert marker["steps"] == 60  # recipe recorded: a different recipe retrains instead of reusing
 
