@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from cluster.env import apply_env
 
     apply_env(run_dir)
-    from rollout.engine import RolloutConfig, RolloutWorker
+    from configs.schema import standalone_engine_config
+    from rollout.engine import RolloutWorker
 
     if args.model_dir:
         model_dir = Path(args.model_dir)
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         model_dir = build_tiny_model(run_dir / "tiny")
     loads = payloads(model_dir, args.recipe)
-    engine = RolloutWorker(model_dir, RolloutConfig(precision="fp8", fp8_recipe=args.recipe,
-                                                    kv_cache_memory_bytes=16 << 20, max_model_len=256),
+    engine = RolloutWorker(model_dir, standalone_engine_config(precision="fp8", fp8_recipe=args.recipe,
+                                                               kv_cache_memory_bytes=16 << 20, max_model_len=256),
                            run_dir=run_dir)
     rows = []
     try:

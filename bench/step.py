@@ -29,7 +29,6 @@ def recipe_overrides(w: Workload) -> list[str]:
 
 def run_project(recipe: str, w: Workload, *, steps: int = 4, overrides: tuple[str, ...] = ()) -> dict:
     """Time ``steps`` RL steps of ``recipe`` on workload ``w``; per-step phase times and the medians of steps 2.."""
-    from cluster.runtime import rollout_config
     from configs.schema import load_config
     from embedded.tiny_model import chat_prompt
     from rollout.engine import RolloutWorker
@@ -37,7 +36,7 @@ def run_project(recipe: str, w: Workload, *, steps: int = 4, overrides: tuple[st
 
     cfg = load_config(ROOT / recipe, [*recipe_overrides(w), *overrides])
     run_dir = Path(tempfile.mkdtemp(prefix="bench-", dir=ROOT / "runs"))
-    rollout = RolloutWorker(w.model_dir, rollout_config(cfg), run_dir=run_dir / "rollout")
+    rollout = RolloutWorker(w.model_dir, cfg, run_dir=run_dir / "rollout")
     policy = PolicyWorker(w.model_dir, cfg, run_dir=run_dir / "policy")
     gen = cfg.policy.generation
     per_step = []

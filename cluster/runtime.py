@@ -214,23 +214,6 @@ def placement_bundles(cfg: Config) -> list[dict[str, float]]:
             + [bundle(cfg.ray.rollout_worker)] * cfg.cluster.rollout_workers)
 
 
-def rollout_config(cfg: Config):
-    from rollout.engine import RolloutConfig
-
-    vc = cfg.policy.generation.vllm_cfg
-    spec = cfg.rollout_fp8_spec()  # end-to-end FP8: the trainer's numerics (configs/schema.py)
-    fp8 = {} if spec is None else dict(
-        fp8_recipe=spec.recipe,
-        num_first_layers_in_bf16=spec.num_first_layers_in_bf16, num_last_layers_in_bf16=spec.num_last_layers_in_bf16,
-        pow2_weight_scaling_factors=spec.pow2_weight, pow2_activation_scaling_factors=spec.pow2_activation)
-    return RolloutConfig(
-        precision="fp8" if vc.precision == "fp8" else "bf16", kv_cache_dtype=vc.kv_cache_dtype,
-        kv_cache_impl=vc.kv_cache_impl, bf16_mode=vc.bf16_mode, **fp8,
-        kv_cache_memory_bytes=vc.kv_cache_memory_bytes, max_model_len=vc.max_model_len, seed=cfg.grpo.seed,
-        gpu_memory_utilization=vc.gpu_memory_utilization, enforce_eager=vc.enforce_eager,
-        kv_scales_max_lag=max(0, cfg.calibration.kv_scales_period - 1))
-
-
 def check_rollout_kv(cfg: Config, model_dir: Path) -> tuple[str, str]:
     """The load-time check of the rollout KV cache, before any worker starts: ``(kv mode, reason)`` from the model's
     head size and this node's CPU (after FP8GRPO_CPU_CAP), or ConfigError naming the key and the missing CPU feature /
@@ -469,7 +452,7 @@ def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Work
         # refits it again, see flows/rl_step.py); calls in flight when it died fail instead of re-running
         max_restarts=cfg.cluster.rollout_max_restarts, max_task_retries=0,
         max_concurrency=1, scheduling_strategy=in_bundle(cfg.cluster.policy_workers + k)).remote(
-            str(model_dir), rollout_config(cfg), run_dir=str(run_dir)) for k in range(n))
+            str(model_dir), cfg, run_dir=str(run_dir)) for k in range(n))
     workers = Workers(policy_names, names, policies, rollouts, pg)
     try:
         ray.get([*(p.info.remote() for p in policies), *(r.stats.remote() for r in rollouts)])

@@ -40,7 +40,9 @@ class ConfigError(ValueError):
 # ----------------------------------------------------------------------------------------------------------- sections
 @dataclass(frozen=True)
 class VllmCfg:
-    """Rollout engine settings (seed names). ``precision: fp8`` = FP8 weights/activations in vLLM's linears."""
+    """The rollout engine (rollout/engine.py), seed key names; the one form of its settings: the engine reads this
+    section (and ``Config.rollout_fp8_spec()`` for its FP8 numerics), nothing re-validates or re-defaults it.
+    ``precision: fp8`` = FP8 weights/activations in vLLM's linears."""
 
     precision: Literal["bfloat16", "fp8"] = "bfloat16"
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # fp8 = E4M3 cache with per-layer K/V scales from calibration
@@ -65,7 +67,22 @@ class VllmCfg:
     kv_cache_memory_bytes: int | None = 64 * 2**20  # CPU: explicit KV budget (else vLLM reserves 92% of RAM)
     enforce_eager: bool = True
     use_deep_gemm: bool = False
+    max_num_seqs: int = 256  # sequences per engine step
+    # tokens per engine step; chunked prefill is off (rollout/engine.py), so it must be >= max_model_len
+    max_num_batched_tokens: int = 8192
     threads: int = 2  # OMP threads inside the rollout actor
+
+    def __post_init__(self):
+        path = "policy.generation.vllm_cfg"
+        for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            _check(getattr(self, key) >= 1, f"{path}.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _check(self.max_num_batched_tokens >= self.max_model_len, f"{path}.max_num_batched_tokens",
+               f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len={self.max_model_len} "
+               "(chunked prefill is off: a whole prompt is prefilled in one engine step)")
+        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0, f"{path}.kv_cache_memory_bytes",
+               f"must be a positive number of bytes or null, got {self.kv_cache_memory_bytes}")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, f"{path}.gpu_memory_utilization",
+               f"must be in (0, 1], got {self.gpu_memory_utilization}")
 
     @property
     def kv_fp8(self) -> bool:
@@ -387,29 +404,36 @@ class Config:
 
     def trainer_fp8_spec(self):
         """The trainer's FP8 numerics (``fp8core.spec.FP8Spec``), or None when training is not FP8."""
-        from fp8core.spec import FP8Spec
-
         f8 = self.policy.megatron_cfg.fp8_cfg
         if not f8.enabled:
             return None
-        return FP8Spec(recipe=f8.fp8_recipe, fmt=f8.fp8, pow2_weight=f8.pow2_weight_scaling_factors,
-                       pow2_activation=f8.pow2_activation_scaling_factors,
-                       num_first_layers_in_bf16=f8.num_first_layers_in_bf16,
-                       num_last_layers_in_bf16=f8.num_last_layers_in_bf16, backend=f8.backend)
+        return fp8_spec_from_keys({k: getattr(f8, k) for k in FP8_RECIPE_KEYS}, where="policy.megatron_cfg.fp8_cfg",
+                                  fmt=f8.fp8, backend=f8.backend)
 
     def rollout_fp8_spec(self):
         """The rollout engine's FP8 numerics, or None for BF16 rollouts. End-to-end FP8: the trainer's spec (the
         validator has checked that explicitly set rollout keys agree). FP8 generation only: the rollout keys, unset
-        ones at their defaults (blockwise, no BF16 layers, no pow2)."""
-        from fp8core.spec import FP8Spec
-
+        ones at FP8Spec's defaults (blockwise, no BF16 layers, no pow2)."""
         vc = self.policy.generation.vllm_cfg
         if vc.precision != "fp8":
             return None
         trainer = self.trainer_fp8_spec()
         if trainer is not None:
-            return FP8Spec(**{f: getattr(trainer, f) for f in _ROLLOUT_FP8_KEYS.values()})
-        return FP8Spec(**{f: getattr(vc, k) for k, f in _ROLLOUT_FP8_KEYS.items() if getattr(vc, k) is not None})
+            return fp8_spec_from_keys(fp8_spec_keys(trainer), where="policy.megatron_cfg.fp8_cfg")
+        return fp8_spec_from_keys({k: getattr(vc, k) for k in FP8_RECIPE_KEYS if getattr(vc, k) is not None},
+                                  where="policy.generation.vllm_cfg")
+
+    def calibrated_clipping_config(self):
+        """Calibrated Clipping's settings (``fp8core.rl.CalibratedClippingConfig``): the ``calibration.clip_*`` keys,
+        field for field, and the BF16 reference bounds ``[1 - loss_fn.ratio_clip_min, 1 + loss_fn.ratio_clip_max]``."""
+        import dataclasses
+
+        from fp8core.rl.calibrated_clipping import CalibratedClippingConfig
+
+        clip = {f.name: getattr(self.calibration, f.name) for f in dataclasses.fields(CalibratedClippingConfig)
+                if f.name.startswith("clip_")}
+        return CalibratedClippingConfig(**clip, ref_eps_low=self.loss_fn.ratio_clip_min,
+                                        ref_eps_high=self.loss_fn.ratio_clip_max)
 
     def to_dict(self) -> dict:
         return _to_plain(self)
@@ -420,10 +444,31 @@ class Config:
 
 
 # ------------------------------------------------------------------------------------------------------ validation
-# rollout key (policy.generation.vllm_cfg.<key>) -> FP8Spec field; the trainer's key is policy.megatron_cfg.fp8_cfg.<key>
-_ROLLOUT_FP8_KEYS = {"fp8_recipe": "recipe", "num_first_layers_in_bf16": "num_first_layers_in_bf16",
-                     "num_last_layers_in_bf16": "num_last_layers_in_bf16",
-                     "pow2_weight_scaling_factors": "pow2_weight", "pow2_activation_scaling_factors": "pow2_activation"}
+# The FP8 recipe's key names (policy.megatron_cfg.fp8_cfg.<key>, policy.generation.vllm_cfg.<key>, and the engine's
+# HF quantization_config, rollout/vllm_fp8.py) -> the fp8core.spec.FP8Spec field each one sets.
+FP8_RECIPE_KEYS = {"fp8_recipe": "recipe", "num_first_layers_in_bf16": "num_first_layers_in_bf16",
+                   "num_last_layers_in_bf16": "num_last_layers_in_bf16",
+                   "pow2_weight_scaling_factors": "pow2_weight", "pow2_activation_scaling_factors": "pow2_activation"}
+
+
+def fp8_spec_from_keys(keys: Mapping[str, Any], *, where: str, **fields):
+    """An ``fp8core.spec.FP8Spec`` from recipe keys (``FP8_RECIPE_KEYS``; absent keys at FP8Spec's defaults) and
+    other FP8Spec ``fields``; a bad value raises ValueError naming ``<where>.<key>``."""
+    from fp8core.spec import FP8Spec
+
+    field_to_key = {f: k for k, f in FP8_RECIPE_KEYS.items()}
+    try:
+        return FP8Spec(**{FP8_RECIPE_KEYS[k]: v for k, v in keys.items() if k in FP8_RECIPE_KEYS}, **fields)
+    except ValueError as e:
+        m = re.match(r"FP8Spec\.(\w+)(.*)", str(e), re.S)
+        if m is None:
+            raise
+        raise ValueError(f"{where}.{field_to_key.get(m.group(1), m.group(1))}{m.group(2)}") from None
+
+
+def fp8_spec_keys(spec) -> dict[str, Any]:
+    """The recipe keys of an ``FP8Spec``'s forward numerics (the inverse of ``fp8_spec_from_keys``)."""
+    return {k: getattr(spec, f) for k, f in FP8_RECIPE_KEYS.items()}
 
 
 def _check(cond: bool, path: str, msg: str):
@@ -514,11 +559,11 @@ def _validate_fp8(c: Config):
         _check(v is None or v >= 0, path, f"must be >= 0, got {v}")
     # Impossible combinations -------------------------------------------------------------------------------------
     if vc.precision != "fp8":
-        for key in _ROLLOUT_FP8_KEYS:
+        for key in FP8_RECIPE_KEYS:
             _check(getattr(vc, key) is None, f"policy.generation.vllm_cfg.{key}",
                    "only applies to FP8 rollouts: set policy.generation.vllm_cfg.precision=fp8 or leave it unset")
     elif f8.enabled:  # end-to-end FP8: one numerics on both sides
-        for key in _ROLLOUT_FP8_KEYS:
+        for key in FP8_RECIPE_KEYS:
             mine, theirs = getattr(vc, key), getattr(f8, key)
             _check(mine is None or mine == theirs, f"policy.generation.vllm_cfg.{key}",
                    f"{mine!r} disagrees with policy.megatron_cfg.fp8_cfg.{key}={theirs!r}: end-to-end FP8 runs the "
@@ -830,6 +875,18 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
 
 def config_from_dict(data: Mapping, overrides: Sequence[str] = ()) -> Config:
     return _build(Config, apply_overrides(dict(data), overrides), "")
+
+
+def standalone_engine_config(*, seed: int = 0, kv_scales_period: int = 1, **vllm_cfg: Any) -> Config:
+    """A recipe for a rollout engine used on its own (benchmarks, diagnostics, tests): the schema's defaults with
+    these ``policy.generation.vllm_cfg`` keys, ``grpo.seed`` and ``calibration.kv_scales_period``. The prompt budget
+    (``data.max_input_seq_length``) shrinks to fit a short ``max_model_len``; nothing else is changed."""
+    gen = GenerationCfg()
+    max_len = vllm_cfg.get("max_model_len", VllmCfg.max_model_len)
+    prompt = min(DataCfg.max_input_seq_length, max(1, max_len - gen.max_new_tokens))
+    return config_from_dict({"policy": {"generation": {"vllm_cfg": dict(vllm_cfg)}},
+                             "data": {"max_input_seq_length": prompt}, "grpo": {"seed": seed},
+                             "calibration": {"kv_scales_period": kv_scales_period}})
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:

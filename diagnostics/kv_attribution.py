@@ -22,12 +22,12 @@ import argparse
 import json
 import random
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from cluster.env import apply_env
+from configs.schema import standalone_engine_config
 from diagnostics.mismatch import (
     calibrate_kv_scales,
     flatten_results,
@@ -36,7 +36,7 @@ from diagnostics.mismatch import (
     trainer_logprobs,
 )
 from fp8core.linear import RECIPES
-from rollout.engine import RolloutConfig, RolloutWorker
+from rollout.engine import RolloutWorker
 from trainer.kv_rounding import _Saturation, kv_rounding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,23 +46,24 @@ SETTINGS = {"as trained (high-precision attention)": (False, False), "K rounded 
 
 
 def attribution(model_dir: str | Path, prompts: list[str], *, run_dir: Path, n: int = 8, max_tokens: int = 64,
-                seed: int = 2, base: RolloutConfig | None = None) -> dict:
+                seed: int = 2, base: dict | None = None) -> dict:
     """The four trainer settings' mismatch against one FP8-KV rollout, with the scales and the saturation."""
     model_dir = Path(model_dir)
-    base = base if base is not None else RolloutConfig(max_model_len=160, kv_cache_memory_bytes=64 << 20)
-    base = replace(base, precision="fp8", kv_cache_dtype="auto", seed=seed)
-    trainer = load_trainer_model(model_dir, fp8=True, dtype=torch.float32, recipe=base.fp8_recipe,
-                                 num_first_layers_in_bf16=base.num_first_layers_in_bf16,
-                                 num_last_layers_in_bf16=base.num_last_layers_in_bf16,
-                                 pow2_weight=base.pow2_weight_scaling_factors,
-                                 pow2_activation=base.pow2_activation_scaling_factors)
-    worker = RolloutWorker(model_dir, base, run_dir=run_dir)
+    base = {**(base if base is not None else dict(max_model_len=160, kv_cache_memory_bytes=64 << 20)),
+            "precision": "fp8"}  # policy.generation.vllm_cfg keys
+    engine_cfg = standalone_engine_config(seed=seed, kv_cache_dtype="auto", **base)
+    spec = engine_cfg.rollout_fp8_spec()
+    trainer = load_trainer_model(model_dir, fp8=True, dtype=torch.float32, recipe=spec.recipe,
+                                 num_first_layers_in_bf16=spec.num_first_layers_in_bf16,
+                                 num_last_layers_in_bf16=spec.num_last_layers_in_bf16,
+                                 pow2_weight=spec.pow2_weight, pow2_activation=spec.pow2_activation)
+    worker = RolloutWorker(model_dir, engine_cfg, run_dir=run_dir)
     try:  # the calibration sequences: an FP8 rollout of the same prompts, as the previous step's would be
         calib = flatten_results(worker.generate(prompts, n=n, max_tokens=max_tokens, temperature=1.0, seed=seed))
     finally:
         worker.shutdown()
     scales = calibrate_kv_scales(trainer, calib[0], calib[1], batch_size=64)
-    worker = RolloutWorker(model_dir, replace(base, kv_cache_dtype="fp8"), run_dir=run_dir)
+    worker = RolloutWorker(model_dir, standalone_engine_config(seed=seed, kv_cache_dtype="fp8", **base), run_dir=run_dir)
     try:
         worker.set_kv_scales(scales)
         results = worker.generate(prompts, n=n, max_tokens=max_tokens, temperature=1.0, seed=seed + 1)
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     random.Random(args.seed).shuffle(rows)
     prompts = [chat_prompt(tok, r["question"]) for r in rows[:args.prompts]]
     t0 = time.perf_counter()
-    base = RolloutConfig(fp8_recipe=args.fp8_recipe, max_model_len=160, kv_cache_memory_bytes=64 << 20)
+    base = dict(fp8_recipe=args.fp8_recipe, max_model_len=160, kv_cache_memory_bytes=64 << 20)
     table = attribution(model_dir, prompts, run_dir=run_dir, n=args.n, max_tokens=args.max_tokens, seed=args.seed,
                         base=base)
     print(f"model: {model_dir}; {len(prompts)} prompts x n={args.n}, max_tokens={args.max_tokens}, T=1, "

@@ -20,14 +20,14 @@ import argparse
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from cluster.env import apply_env
+from configs.schema import Config, standalone_engine_config
 from fp8core.linear import RECIPES
-from rollout.engine import RolloutConfig, RolloutWorker
+from rollout.engine import RolloutWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,7 +149,7 @@ def calibrate_kv_scales(model, prompt_ids: list[list[int]], response_ids: list[l
         return calibrate(model, batches)
 
 
-def sample_and_compare(model_dir: Path, cfg: RolloutConfig, *, run_dir: Path, prompts: list[str], trainers: dict,
+def sample_and_compare(model_dir: Path, cfg: Config, *, run_dir: Path, prompts: list[str], trainers: dict,
                        n: int, max_tokens: int, temperature: float, seed: int,
                        kv_scales: dict | None = None) -> tuple[dict, dict, tuple]:
     """Start an engine with ``cfg``, sample, stop it; compare its logprobs with each trainer model in ``trainers``."""
@@ -170,20 +170,23 @@ def sample_and_compare(model_dir: Path, cfg: RolloutConfig, *, run_dir: Path, pr
 
 def mismatch_table(model_dir: str | Path, *, run_dir: str | Path, prompts: list[str], n: int = 4,
                    max_tokens: int = 32, temperature: float = 1.0, seed: int = 0,
-                   base: RolloutConfig | None = None) -> dict:
+                   base: dict | None = None) -> dict:
     """Rows (a)-(d) of the module docstring: {row: {metric: value}} plus KV capacities and the scales used."""
     model_dir, run_dir = Path(model_dir), Path(run_dir)
-    base = base if base is not None else RolloutConfig()
-    layer_kw = dict(num_first_layers_in_bf16=base.num_first_layers_in_bf16,
-                    num_last_layers_in_bf16=base.num_last_layers_in_bf16)
+    base = dict(base if base is not None else {"max_model_len": 512})  # policy.generation.vllm_cfg keys
+    fp8_keys = {k: base.pop(k) for k in list(base) if k in ("fp8_recipe", "num_first_layers_in_bf16",
+                                                             "num_last_layers_in_bf16", "pow2_weight_scaling_factors",
+                                                             "pow2_activation_scaling_factors")}
+    spec = standalone_engine_config(precision="fp8", **fp8_keys, **base).rollout_fp8_spec()
+    layer_kw = dict(num_first_layers_in_bf16=spec.num_first_layers_in_bf16,
+                    num_last_layers_in_bf16=spec.num_last_layers_in_bf16)
     trainer_bf16 = load_trainer_model(model_dir, fp8=False)
-    trainer_fp8 = load_trainer_model(model_dir, fp8=True, pow2_weight=base.pow2_weight_scaling_factors,
-                                     pow2_activation=base.pow2_activation_scaling_factors, recipe=base.fp8_recipe,
-                                     **layer_kw)
+    trainer_fp8 = load_trainer_model(model_dir, fp8=True, pow2_weight=spec.pow2_weight,
+                                     pow2_activation=spec.pow2_activation, recipe=spec.recipe, **layer_kw)
     kw = dict(run_dir=run_dir, prompts=prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
-    bf16_cfg = replace(base, precision="bf16", kv_cache_dtype="auto")
-    fp8_cfg = replace(base, precision="fp8", kv_cache_dtype="auto")
-    fp8kv_cfg = replace(base, precision="fp8", kv_cache_dtype="fp8")
+    bf16_cfg = standalone_engine_config(precision="bfloat16", kv_cache_dtype="auto", **base)
+    fp8_cfg = standalone_engine_config(precision="fp8", kv_cache_dtype="auto", **fp8_keys, **base)
+    fp8kv_cfg = standalone_engine_config(precision="fp8", kv_cache_dtype="fp8", **fp8_keys, **base)
     a, st_a, _ = sample_and_compare(model_dir, bf16_cfg, trainers={"a": trainer_bf16}, **kw)
     bc, _, (ps, rs) = sample_and_compare(model_dir, fp8_cfg, trainers={"b": trainer_bf16, "c": trainer_fp8}, **kw)
     # K/V scales calibrated on the FP8 trainer with the FP8 policy's own rollouts (what the pipeline does at refit)
@@ -191,7 +194,7 @@ def mismatch_table(model_dir: str | Path, *, run_dir: str | Path, prompts: list[
     d, st_d, _ = sample_and_compare(model_dir, fp8kv_cfg, trainers={"d": trainer_fp8}, kv_scales=kv_scales, **kw)
     return {"rows": {**a, **bc, **d}, "kv_capacity_tokens": {"bf16": st_a["kv_capacity_tokens"],
                                                              "fp8": st_d["kv_capacity_tokens"]},
-            "kv_cache_memory_bytes": base.kv_cache_memory_bytes, "kv_scales": kv_scales,
+            "kv_cache_memory_bytes": fp8kv_cfg.policy.generation.vllm_cfg.kv_cache_memory_bytes, "kv_scales": kv_scales,
             "kv_mode": st_d["kv_mode"], "cpu_kind": st_d["cpu"]["kind"]}
 
 
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     rng = random.Random(1234)
     prompts = [chat_prompt(tok, make_problem(rng)["question"], "arithmetic") for _ in range(args.prompts)]
-    base = RolloutConfig(fp8_recipe=args.fp8_recipe, num_first_layers_in_bf16=args.num_first_layers_in_bf16,
+    base = dict(max_model_len=512, fp8_recipe=args.fp8_recipe, num_first_layers_in_bf16=args.num_first_layers_in_bf16,
                          num_last_layers_in_bf16=args.num_last_layers_in_bf16,
                          pow2_weight_scaling_factors=args.pow2, pow2_activation_scaling_factors=args.pow2)
     t0 = time.perf_counter()

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from cluster.env import apply_env
+from configs.schema import standalone_engine_config
 from diagnostics.mismatch import load_trainer_model, mismatch
-from rollout.engine import RolloutConfig, RolloutWorker
+from rollout.engine import RolloutWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +64,8 @@ def rescore(model, results: list[dict], *, replay: bool, temperature: float = 1.
 def measure(model_dir: Path, *, fp8: bool, prompts: list[str], run_dir: Path, n: int, max_tokens: int,
             seed: int) -> dict[str, dict]:
     """{replay off/on: metrics} for one model and precision (replay only for MoE models)."""
-    cfg = RolloutConfig(precision="fp8" if fp8 else "bf16", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+    cfg = standalone_engine_config(precision="fp8" if fp8 else "bfloat16", kv_cache_memory_bytes=32 << 20,
+                                   max_model_len=256)
     worker = RolloutWorker(model_dir, cfg, run_dir=run_dir)
     try:
         results = worker.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, routing=True)

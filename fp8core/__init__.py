@@ -6,11 +6,6 @@ Which modules go FP8 and the high-precision shadow switch: fp8core/convert.py.
 """
 from fp8core.convert import convert_to_fp8, decoder_layers, fp8_layer_indices, fp8_modules, high_precision
 from fp8core.linear import (
-    BLOCKWISE,
-    BLOCKWISE_HYBRID,
-    PRESETS,
-    ROWWISE,
-    TENSORWISE,
     FP8Linear,
     FP8LinearConfig,
     fp8_linear,
@@ -28,20 +23,17 @@ from fp8core.quant import (
     dequantize,
     quantize,
 )
+from fp8core.spec import FP8Spec
 
 __all__ = [
-    "BLOCKWISE",
-    "BLOCKWISE_HYBRID",
     "E4M3_MAX",
     "E5M2_MAX",
     "FORMATS",
     "FP8Linear",
     "FP8LinearConfig",
+    "FP8Spec",
     "GRANULARITIES",
-    "PRESETS",
     "QuantizedTensor",
-    "ROWWISE",
-    "TENSORWISE",
     "convert_to_fp8",
     "decoder_layers",
     "dequantize",

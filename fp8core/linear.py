@@ -18,7 +18,8 @@ wgrad   ``dW = dY.T @ X``           T (tokens)      dY.T and X.T: group128 / row
 
 "blockwise" is the DeepSeek-V3 / NeMo RL recipe (1x128 activation/gradient groups, 128x128 weight blocks);
 "rowwise" and "tensorwise" follow the operand layouts of torchao's float8 recipes of those names (torchao's
-"rowwise" also rounds scales to powers of two; our ``ROWWISE`` preset does the same). Formats: "e4m3" uses
+"rowwise" also rounds scales to powers of two; here that is ``pow2_weight`` / ``pow2_activation``, set per recipe in
+the one spec both sides are built from, fp8core.spec.FP8Spec). Formats: "e4m3" uses
 float8_e4m3fn everywhere; "hybrid" keeps X and W in E4M3 and quantizes the gradient dY in E5M2 (more range, less
 precision). Scales follow fp8core.quant: FP32 dequantization multipliers ``amax / fp8_max``.
 
@@ -39,7 +40,7 @@ training see bit-identical forward numerics on the same backend.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,15 +64,10 @@ WEIGHT_GRANULARITY = {"blockwise": "block128", "rowwise": "rowwise", "tensorwise
 
 __all__ = [
     "BACKENDS",
-    "BLOCKWISE",
-    "BLOCKWISE_HYBRID",
     "FP8Linear",
     "FP8LinearConfig",
     "LINEAR_FORMATS",
-    "PRESETS",
     "RECIPES",
-    "ROWWISE",
-    "TENSORWISE",
     "WeightCache",
     "fp8_linear",
     "fp8_linear_forward",
@@ -114,18 +110,6 @@ class FP8LinearConfig:
     def grad_fmt(self) -> str:
         """FP8 format of the output gradient dY: E5M2 in the hybrid format, else E4M3."""
         return "e5m2" if self.fmt == "hybrid" else "e4m3"
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> FP8LinearConfig:
-        _check_choice(name, tuple(PRESETS), "FP8 preset")
-        return replace(PRESETS[name], **overrides)
-
-
-BLOCKWISE = FP8LinearConfig()
-BLOCKWISE_HYBRID = FP8LinearConfig(fmt="hybrid")
-ROWWISE = FP8LinearConfig(recipe="rowwise", pow2_weight=True, pow2_activation=True)
-TENSORWISE = FP8LinearConfig(recipe="tensorwise")
-PRESETS = {"blockwise": BLOCKWISE, "blockwise_hybrid": BLOCKWISE_HYBRID, "rowwise": ROWWISE, "tensorwise": TENSORWISE}
 
 
 def weight_granularity(recipe: str) -> str:

@@ -59,6 +59,14 @@ class FP8Spec:
         return FP8LinearConfig(recipe=self.recipe, fmt=self.fmt, pow2_weight=self.pow2_weight,
                                pow2_activation=self.pow2_activation, backend=self.backend)
 
+    def convert(self, model) -> list[str]:
+        """Convert ``model``'s decoder linears to :class:`FP8Linear` with this spec's numerics (the FP8 layers only);
+        returns the converted module names (``fp8core.convert.convert_to_fp8``)."""
+        from fp8core.convert import convert_to_fp8
+
+        return convert_to_fp8(model, self.linear_config(), num_first_layers_in_bf16=self.num_first_layers_in_bf16,
+                              num_last_layers_in_bf16=self.num_last_layers_in_bf16)
+
     def layer_indices(self, num_layers: int) -> list[int]:
         """Decoder layers that run in FP8."""
         return fp8_layer_indices(num_layers, self.num_first_layers_in_bf16, self.num_last_layers_in_bf16)

@@ -60,16 +60,16 @@ import random
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from cluster.env import apply_env
+from configs.schema import Config
 from fp8core.cpu import cpu_caps_dict
 from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
 
-PRECISIONS = ("bf16", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_CACHE_IMPLS = ("auto", "native", "emulated")  # how kv_cache_dtype="fp8" is realised (module docstring)
 KV_MODES = ("bf16", "fp8-native", "fp8-emulated")
@@ -81,70 +81,6 @@ SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCaus
 CPU_KV_BLOCK_SIZE = 128  # vLLM CPU allocates the KV cache in blocks of 128 tokens
 # decoder-layer projections (dense) and MoE experts' projections (``mlp.experts.<e>.<proj>``); not the MoE router
 _PROJ_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)(?:\.experts\.\d+)?\.\w+_proj\.weight$")
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """Rollout engine settings; the first six keys are ``policy.generation.vllm_cfg.*`` of the recipe we follow."""
-
-    precision: str = "bf16"  # bf16 | fp8 (FP8 linears in fp8_recipe, fp8core numerics)
-    fp8_recipe: str = "blockwise"  # blockwise | rowwise | tensorwise (the trainer's, for end-to-end FP8)
-    # BF16 linears (precision bf16): native vLLM BF16, or emulated = FP32 GEMMs on BF16-rounded operands
-    # (rollout/vllm_bf16.py); auto = emulated on CPUs without BF16 units (fp8core.cpu), native elsewhere.
-    bf16_mode: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto (= model dtype) | fp8 (e4m3 with per-layer K/V scales)
-    kv_cache_impl: str = "auto"  # auto | native | emulated (module docstring; only with kv_cache_dtype="fp8")
-    num_first_layers_in_bf16: int = 0
-    num_last_layers_in_bf16: int = 0
-    pow2_weight_scaling_factors: bool = False
-    pow2_activation_scaling_factors: bool = False
-    kv_cache_memory_bytes: int | None = 64 << 20  # required on CPU; on GPU None means gpu_memory_utilization
-    max_model_len: int = 512
-    seed: int = 0
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
-    max_num_seqs: int = 256
-    # Tokens per engine step. Chunked prefill is off (see _engine_kwargs), so this must be >= max_model_len.
-    max_num_batched_tokens: int = 8192
-    # KV scales carry the policy step they were computed from; a refit refuses scales more than this many steps
-    # older than the weights it loads (calibration.kv_scales_period - 1: recalibrated every period steps).
-    kv_scales_max_lag: int = 0
-
-    def __post_init__(self):
-        for key, allowed in (("precision", PRECISIONS), ("kv_cache_dtype", KV_CACHE_DTYPES),
-                             ("kv_cache_impl", KV_CACHE_IMPLS)):
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"rollout.{key}={getattr(self, key)!r} is not one of {allowed}")
-        from fp8core.bf16 import BF16_MODES
-        from fp8core.linear import RECIPES
-
-        if self.bf16_mode not in BF16_MODES:
-            raise ValueError(f"rollout.bf16_mode={self.bf16_mode!r} is not one of {BF16_MODES}")
-        if self.fp8_recipe not in RECIPES:
-            raise ValueError(f"rollout.fp8_recipe={self.fp8_recipe!r} is not one of {RECIPES}")
-        if not isinstance(self.kv_scales_max_lag, int) or self.kv_scales_max_lag < 0:
-            raise ValueError(f"rollout.kv_scales_max_lag must be an int >= 0, got {self.kv_scales_max_lag!r}")
-        if self.kv_cache_impl != "auto" and self.kv_cache_dtype != "fp8":
-            raise ValueError(f"rollout.kv_cache_impl={self.kv_cache_impl!r} only applies with kv_cache_dtype='fp8'")
-        for key in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"rollout.{key} must be an int >= 0, got {value!r}")
-        for key in ("pow2_weight_scaling_factors", "pow2_activation_scaling_factors", "enforce_eager"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"rollout.{key} must be a bool, got {getattr(self, key)!r}")
-        if self.kv_cache_memory_bytes is not None and (not isinstance(self.kv_cache_memory_bytes, int)
-                                                       or self.kv_cache_memory_bytes <= 0):
-            raise ValueError(f"rollout.kv_cache_memory_bytes must be a positive int or None, "
-                             f"got {self.kv_cache_memory_bytes!r}")
-        for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise ValueError(f"rollout.{key} must be an int >= 1, got {getattr(self, key)!r}")
-        if self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                             f"max_model_len={self.max_model_len} (chunked prefill is off)")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 def _read_model_config(model_dir: Path) -> dict:
@@ -259,29 +195,35 @@ class _ProcessStateGuard:
 class RolloutWorker:
     """Owns one vLLM engine. See the module docstring for the return formats and the error contract."""
 
-    def __init__(self, model_dir: str | Path, config: RolloutConfig, *, run_dir: str | Path):
-        if not isinstance(config, RolloutConfig):
-            raise ValueError(f"config must be a RolloutConfig, got {type(config).__name__}")
+    def __init__(self, model_dir: str | Path, cfg: Config, *, run_dir: str | Path):
+        """``cfg``: the run's recipe; the engine reads ``policy.generation.vllm_cfg``, its FP8 numerics
+        (``cfg.rollout_fp8_spec()``, the trainer's spec in end-to-end FP8), ``grpo.seed`` and
+        ``calibration.kv_scales_period``."""
+        if not isinstance(cfg, Config):
+            raise ValueError(f"cfg must be a configs.schema.Config, got {type(cfg).__name__}")
         self.model_dir = Path(model_dir)
-        self.config = config
+        self.cfg = cfg
+        self.vllm = vc = cfg.policy.generation.vllm_cfg
+        self.fp8 = cfg.rollout_fp8_spec()  # None: BF16 linears
+        # KV scales carry the policy step they were computed from; a refit refuses scales more than this many steps
+        # older than the weights it loads (recalibrated every calibration.kv_scales_period steps)
+        self.kv_scales_max_lag = max(0, cfg.calibration.kv_scales_period - 1)
         self.run_dir = Path(run_dir)
         self.model_cfg = _read_model_config(self.model_dir)
         self.num_layers = int(self.model_cfg["num_hidden_layers"])
         self.vocab_size = int(self.model_cfg["vocab_size"])
-        if config.num_first_layers_in_bf16 + config.num_last_layers_in_bf16 > self.num_layers:
-            raise ValueError(f"rollout.num_first_layers_in_bf16 + num_last_layers_in_bf16 = "
-                             f"{config.num_first_layers_in_bf16 + config.num_last_layers_in_bf16} exceeds the "
-                             f"model's num_hidden_layers={self.num_layers}")
+        if self.fp8 is not None:
+            kept = self.fp8.num_first_layers_in_bf16 + self.fp8.num_last_layers_in_bf16
+            if kept > self.num_layers:
+                raise ValueError(f"FP8 layers kept in BF16: num_first_layers_in_bf16 + num_last_layers_in_bf16 = "
+                                 f"{kept} exceeds the model's num_hidden_layers={self.num_layers}")
         self.param_shapes = _checkpoint_shapes(self.model_dir)
         # A refit ships either every weight in high precision (FP32 masters; FP8 layers quantize in the engine) or
         # the trainer's served FP8 state (fp8core.serve): FP8 codes + weight_scale_inv for the FP8 linears' weights.
         self.master_names = {n for n in self.param_shapes if not n.endswith(SCALE_SUFFIX)}
         self.fp8_weight_names = set()
-        if config.precision == "fp8":
-            from fp8core.convert import fp8_layer_indices
-
-            layers = set(fp8_layer_indices(self.num_layers, config.num_first_layers_in_bf16,
-                                           config.num_last_layers_in_bf16))
+        if self.fp8 is not None:
+            layers = set(self.fp8.layer_indices(self.num_layers))
             self.fp8_weight_names = {n for n in self.master_names if (m := _PROJ_WEIGHT.match(n))
                                      and int(m.group(1)) in layers}
         from fp8core.cpu import apply_cpu_cap, cpu_caps
@@ -291,27 +233,28 @@ class RolloutWorker:
         on_gpu = torch.cuda.is_available()
         from fp8core.bf16 import resolve_bf16_mode
 
-        self.bf16_mode = resolve_bf16_mode(config.bf16_mode, device=torch.device("cuda" if on_gpu else "cpu"),
-                                           native_bf16=self.cpu.native_bf16) if config.precision == "bf16" else "off"
+        self.bf16_mode = resolve_bf16_mode(vc.bf16_mode, device=torch.device("cuda" if on_gpu else "cpu"),
+                                           native_bf16=self.cpu.native_bf16) if self.fp8 is None else "off"
         self.is_moe = int(self.model_cfg.get("num_experts") or self.model_cfg.get("num_local_experts") or 0) > 0
         if self.is_moe and self.bf16_mode == "native":
             # vLLM 0.32's own CPU MoE does not survive reload_weights (rollout/vllm_bf16.py): our experts method
             self.bf16_mode = "emulated"
-        self.kv_mode, self.kv_mode_reason = resolve_kv_mode(self.model_cfg, config.kv_cache_dtype,
-                                                            config.kv_cache_impl, caps=self.cpu, on_gpu=on_gpu)
-        if config.kv_cache_dtype == "fp8":
+        self.kv_mode, self.kv_mode_reason = resolve_kv_mode(self.model_cfg, vc.kv_cache_dtype, vc.kv_cache_impl,
+                                                            caps=self.cpu, on_gpu=on_gpu)
+        if vc.kv_cache_dtype == "fp8":
             print(f"RolloutWorker: FP8 KV cache {self.kv_mode} ({self.kv_mode_reason})", flush=True)
         self.bytes_per_token = kv_bytes_per_token(self.model_cfg, "fp8" if self.kv_mode == "fp8-native" else "auto")
-        if config.kv_cache_memory_bytes is None and not on_gpu:
-            raise ValueError("rollout.kv_cache_memory_bytes is required on CPU (vLLM would reserve most of the RAM)")
-        if config.kv_cache_memory_bytes is not None:
-            need_tokens = math.ceil(config.max_model_len / CPU_KV_BLOCK_SIZE) * CPU_KV_BLOCK_SIZE
+        key = "policy.generation.vllm_cfg.kv_cache_memory_bytes"
+        if vc.kv_cache_memory_bytes is None and not on_gpu:
+            raise ValueError(f"{key} is required on CPU (vLLM would reserve most of the RAM)")
+        if vc.kv_cache_memory_bytes is not None:
+            need_tokens = math.ceil(vc.max_model_len / CPU_KV_BLOCK_SIZE) * CPU_KV_BLOCK_SIZE
             need = need_tokens * self.bytes_per_token
-            if config.kv_cache_memory_bytes < need:
+            if vc.kv_cache_memory_bytes < need:
                 raise ValueError(
-                    f"rollout.kv_cache_memory_bytes={config.kv_cache_memory_bytes} is too small for one sequence of "
-                    f"max_model_len={config.max_model_len} tokens: need >= {need} bytes "
-                    f"({self.bytes_per_token} bytes/token with kv_cache_dtype={config.kv_cache_dtype!r}, "
+                    f"{key}={vc.kv_cache_memory_bytes} is too small for one sequence of "
+                    f"max_model_len={vc.max_model_len} tokens: need >= {need} bytes "
+                    f"({self.bytes_per_token} bytes/token with kv_cache_dtype={vc.kv_cache_dtype!r}, "
                     f"{self.kv_mode})")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         apply_env(self.run_dir)  # the run environment (cluster.runtime: one place); existing values win
@@ -336,42 +279,38 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ engine
     def _engine_kwargs(self) -> dict:
-        c = self.config
+        vc = self.vllm
         kwargs = dict(
-            model=str(self.model_dir), tokenizer=str(self.model_dir), dtype="bfloat16", seed=c.seed,
-            max_model_len=c.max_model_len, enforce_eager=c.enforce_eager, max_num_seqs=c.max_num_seqs,
+            model=str(self.model_dir), tokenizer=str(self.model_dir), dtype="bfloat16", seed=self.cfg.grpo.seed,
+            max_model_len=vc.max_model_len, enforce_eager=vc.enforce_eager, max_num_seqs=vc.max_num_seqs,
             logprobs_mode="processed_logprobs", enable_prefix_caching=True,
             # Chunked prefill off: vLLM 0.32 discards the token sampled for a partially prefilled request by rewinding
             # its per-request generator (gpu_model_runner._bookkeeping_sync: gen.set_offset(...)), which a CPU
             # torch.Generator does not support ("CPU Generator does not use offset") -- any seeded batch whose
             # prompts exceed one step's token budget crashed the engine. Whole prompts per step avoid it.
-            enable_chunked_prefill=False, max_num_batched_tokens=c.max_num_batched_tokens,
+            enable_chunked_prefill=False, max_num_batched_tokens=vc.max_num_batched_tokens,
         )
-        if c.kv_cache_memory_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = c.kv_cache_memory_bytes
+        if vc.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = vc.kv_cache_memory_bytes
         if torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
+            kwargs["gpu_memory_utilization"] = vc.gpu_memory_utilization
         if self.kv_mode == "fp8-native":
             kwargs["kv_cache_dtype"] = "fp8_e4m3"
         if self.bf16_mode == "emulated":
             from rollout.vllm_bf16 import engine_kwargs
 
             kwargs.update(engine_kwargs())
-        if c.precision == "fp8":
+        if self.fp8 is not None:
+            from configs.schema import fp8_spec_keys
             from rollout.vllm_fp8 import QUANT_NAME, quantization_config_dict
 
             kwargs["quantization"] = QUANT_NAME
             kwargs["hf_overrides"] = {"quantization_config": quantization_config_dict(
-                num_hidden_layers=self.num_layers, fp8_recipe=c.fp8_recipe,
-                num_first_layers_in_bf16=c.num_first_layers_in_bf16,
-                num_last_layers_in_bf16=c.num_last_layers_in_bf16,
-                pow2_weight_scaling_factors=c.pow2_weight_scaling_factors,
-                pow2_activation_scaling_factors=c.pow2_activation_scaling_factors,
-            )}
+                num_hidden_layers=self.num_layers, **fp8_spec_keys(self.fp8))}
         return kwargs
 
     def _start_engine(self):
-        if self.config.precision == "fp8":
+        if self.fp8 is not None:
             import rollout.vllm_fp8  # noqa: F401  (registers the quantization method)
         if self.bf16_mode == "emulated":
             import rollout.vllm_bf16  # noqa: F401  (registers bf16_emulated)
@@ -411,8 +350,8 @@ class RolloutWorker:
                 raise ValueError(f"prompts[{i}] must be a string or a list of ints, got {type(p).__name__}")
             if not toks:
                 raise ValueError(f"prompts[{i}] is empty")
-            if len(toks) >= self.config.max_model_len:
-                raise ValueError(f"prompts[{i}] has {len(toks)} tokens, max_model_len={self.config.max_model_len} "
+            if len(toks) >= self.vllm.max_model_len:
+                raise ValueError(f"prompts[{i}] has {len(toks)} tokens, max_model_len={self.vllm.max_model_len} "
                                  f"leaves no room to generate")
             ids.append(toks)
         return ids
@@ -509,7 +448,7 @@ class RolloutWorker:
         fp8 = any(n.endswith(SCALE_SUFFIX) for n in weights)
         if fp8 and not self.fp8_weight_names:
             raise ValueError("refit weights carry FP8 scales (weight_scale_inv) but this engine has no FP8 layers "
-                             f"(precision={self.config.precision!r}); send high-precision weights")
+                             f"(policy.generation.vllm_cfg.precision={self.vllm.precision!r}); send high-precision weights")
         expected = self.master_names | ({n + SCALE_SUFFIX for n in self.fp8_weight_names} if fp8 else set())
         unknown = sorted(set(weights) - expected)
         if unknown:
@@ -544,7 +483,6 @@ class RolloutWorker:
         return items, fp8
 
     def _check_fp8_weight(self, name: str, data: torch.Tensor, scale) -> None:
-        from fp8core.linear import weight_granularity
         from fp8core.quant import QuantizedTensor
 
         if data.dtype != torch.float8_e4m3fn:
@@ -553,9 +491,9 @@ class RolloutWorker:
         if not isinstance(scale, torch.Tensor):
             raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] is a {type(scale).__name__}, not a tensor")
         try:
-            QuantizedTensor(data, scale, weight_granularity(self.config.fp8_recipe), "e4m3")
+            QuantizedTensor(data, scale, self.fp8.weight_granularity, "e4m3")
         except ValueError as e:
-            raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] ({self.config.fp8_recipe}): {e}") from None
+            raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] ({self.fp8.recipe}): {e}") from None
         if bool(data.view(torch.uint8).bitwise_and(0x7F).eq(0x7F).any()):
             raise ValueError(f"refit weights[{name!r}] has NaN codes")
         if not (bool(torch.isfinite(scale).all()) and bool((scale > 0).all())):
@@ -632,11 +570,11 @@ class RolloutWorker:
         if scales is None or weights_version is None or scales.get("version") is None:
             return
         lag = weights_version - scales["version"]
-        if not 0 <= lag <= self.config.kv_scales_max_lag:
+        if not 0 <= lag <= self.kv_scales_max_lag:
             raise ValueError(
                 f"stale KV scales: computed from the policy of step {scales['version']}, the weights being loaded "
                 f"are step {weights_version}; calibration.kv_scales_period allows a lag of at most "
-                f"{self.config.kv_scales_max_lag} step(s). Recalibrate (calibrate_kv_scales) before this refit")
+                f"{self.kv_scales_max_lag} step(s). Recalibrate (calibrate_kv_scales) before this refit")
 
     def _apply_kv_scales(self, scales: dict) -> None:
         names = self._attn_names
@@ -657,7 +595,7 @@ class RolloutWorker:
         blocks = cc.num_gpu_blocks or 0
         return {
             "kv_capacity_tokens": int(blocks * cc.block_size),
-            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "kv_cache_dtype": self.vllm.kv_cache_dtype,
             "kv_mode": self.kv_mode,  # bf16 | fp8-native | fp8-emulated
             "bf16_mode": self.bf16_mode,  # off (FP8 linears) | native | emulated
             "kv_mode_reason": self.kv_mode_reason,
@@ -665,8 +603,8 @@ class RolloutWorker:
             "kv_fp8_capacity_realised": self.kv_mode == "fp8-native",
             "cpu": cpu_caps_dict(self.cpu),
             "kv_bytes_per_token": self.bytes_per_token,
-            "kv_cache_memory_bytes": self.config.kv_cache_memory_bytes,
-            "precision": self.config.precision,
+            "kv_cache_memory_bytes": self.vllm.kv_cache_memory_bytes,
+            "precision": self.vllm.precision,
             "last_tokens_per_s": self._last_stats["tokens_per_s"],
             "last_generated_tokens": self._last_stats["generated_tokens"],
             "last_generate_s": self._last_stats["wall_s"],
@@ -674,7 +612,8 @@ class RolloutWorker:
             "last_refit_s": self._last_refit_s,
             "weights_version": self._weights_version,
             "engine_start_s": self.start_s,
-            "config": asdict(self.config),
+            "config": {"vllm_cfg": asdict(self.vllm), "fp8": None if self.fp8 is None else asdict(self.fp8),
+                       "seed": self.cfg.grpo.seed, "kv_scales_max_lag": self.kv_scales_max_lag},
         }
 
 
@@ -786,6 +725,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import argparse
     import statistics
 
+    from configs.schema import standalone_engine_config
+
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--model-dir", help="HF model dir (default: the tiny model, built under --run-dir)")
     ap.add_argument("--run-dir", default=str(Path(__file__).resolve().parents[1] / "runs" / "rollout-bench"))
@@ -805,10 +746,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     weights = {k: v.float() for k, v in load_file(str(next(model_dir.glob("*.safetensors")))).items()}
     prompts = [[1 + (7 * i + j) % 200 for j in range(32)] for i in range(16)]
     rows = []
-    for precision, kv in (("bf16", "auto"), ("bf16", "fp8"), ("fp8", "auto"), ("fp8", "fp8")):
-        w = RolloutWorker(model_dir, RolloutConfig(precision=precision, kv_cache_dtype=kv,
-                                                   kv_cache_memory_bytes=args.kv_cache_memory_bytes),
-                          run_dir=run_dir)
+    for precision, kv in (("bfloat16", "auto"), ("bfloat16", "fp8"), ("fp8", "auto"), ("fp8", "fp8")):
+        w = RolloutWorker(model_dir, standalone_engine_config(precision=precision, kv_cache_dtype=kv,
+                                                              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                                                              max_model_len=512), run_dir=run_dir)
         try:
             w.generate(prompts[:2], n=1, max_tokens=4, seed=0)  # warm-up (kernel compile on first use)
             w.refit(weights)  # warm-up (first reload imports / allocates)

@@ -77,10 +77,11 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from fp8core.convert import fp8_layer_indices
-from fp8core.linear import RECIPES, fp8_linear_forward, fp8_linear_forward_emulated, resolve_backend, weight_granularity
+from configs.schema import FP8_RECIPE_KEYS, fp8_spec_from_keys, fp8_spec_keys
+from fp8core.linear import fp8_linear_forward, fp8_linear_forward_emulated, resolve_backend
 from fp8core.moe import experts_forward
 from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
+from fp8core.spec import FP8Spec
 from rollout.vllm_bf16 import (
     Bf16EmulatedMoEMethod,
     Fp32GateLinearMethod,
@@ -93,20 +94,16 @@ from rollout.vllm_bf16 import (
 QUANT_NAME = "fp8core"
 _SCALE = "_weight_scale_inv"
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_KEYS = ("num_hidden_layers", "fp8_recipe", "num_first_layers_in_bf16", "num_last_layers_in_bf16",
-         "pow2_weight_scaling_factors", "pow2_activation_scaling_factors")
-
-
-def quantization_config_dict(*, num_hidden_layers: int, fp8_recipe: str = "blockwise",
-                             num_first_layers_in_bf16: int = 0, num_last_layers_in_bf16: int = 0,
-                             pow2_weight_scaling_factors: bool = False,
-                             pow2_activation_scaling_factors: bool = False) -> dict[str, Any]:
-    """The ``quantization_config`` entry to put in the HF config (through ``hf_overrides``) for ``fp8core``."""
-    cfg = {"quant_method": QUANT_NAME, "fp8_recipe": fp8_recipe, "num_hidden_layers": num_hidden_layers,
-           "num_first_layers_in_bf16": num_first_layers_in_bf16, "num_last_layers_in_bf16": num_last_layers_in_bf16,
-           "pow2_weight_scaling_factors": pow2_weight_scaling_factors,
-           "pow2_activation_scaling_factors": pow2_activation_scaling_factors}
-    if fp8_recipe == "blockwise":
+def quantization_config_dict(*, num_hidden_layers: int, **recipe_keys: Any) -> dict[str, Any]:
+    """The ``quantization_config`` entry to put in the HF config (through ``hf_overrides``) for ``fp8core``: an
+    ``fp8core.spec.FP8Spec``'s forward numerics under the recipe's key names (``configs.schema.FP8_RECIPE_KEYS``;
+    ``fp8_spec_keys(spec)`` gives them), absent keys at FP8Spec's defaults."""
+    spec = fp8_spec_from_keys(recipe_keys, where="quantization_config")
+    unknown = set(recipe_keys) - set(FP8_RECIPE_KEYS)
+    if unknown:
+        raise ValueError(f"quantization_config for {QUANT_NAME} has unknown keys {sorted(unknown)}")
+    cfg = {"quant_method": QUANT_NAME, "num_hidden_layers": num_hidden_layers, **fp8_spec_keys(spec)}
+    if spec.recipe == "blockwise":
         cfg["weight_block_size"] = [GROUP, GROUP]
     Fp8CoreConfig.from_config(cfg)  # validate now, with the key names in the message
     return cfg
@@ -114,26 +111,22 @@ def quantization_config_dict(*, num_hidden_layers: int, fp8_recipe: str = "block
 
 @register_quantization_config(QUANT_NAME)
 class Fp8CoreConfig(QuantizationConfig):
-    """FP8 linears computed by fp8core in the trainer's recipe; see the module docstring."""
+    """FP8 linears computed by fp8core with one ``FP8Spec``'s numerics (``spec``); see the module docstring."""
 
-    def __init__(self, *, num_hidden_layers: int, fp8_recipe: str = "blockwise", num_first_layers_in_bf16: int = 0,
-                 num_last_layers_in_bf16: int = 0, pow2_weight_scaling_factors: bool = False,
-                 pow2_activation_scaling_factors: bool = False):
+    def __init__(self, *, num_hidden_layers: int, spec: FP8Spec):
         super().__init__()
-        if fp8_recipe not in RECIPES:
-            raise ValueError(f"quantization_config.fp8_recipe={fp8_recipe!r} is not one of {RECIPES}")
-        self.fp8_layers = frozenset(fp8_layer_indices(num_hidden_layers, num_first_layers_in_bf16,
-                                                      num_last_layers_in_bf16))
+        self.spec = spec
+        self.fp8_layers = frozenset(spec.layer_indices(num_hidden_layers))
         self.num_hidden_layers = num_hidden_layers
-        self.recipe = fp8_recipe
-        self.weight_granularity = weight_granularity(fp8_recipe)
-        self.pow2_weight = pow2_weight_scaling_factors
-        self.pow2_activation = pow2_activation_scaling_factors
-        self.weight_block_size = [GROUP, GROUP] if fp8_recipe == "blockwise" else None
+        self.recipe = spec.recipe
+        self.weight_granularity = spec.weight_granularity
+        self.pow2_weight = spec.pow2_weight
+        self.pow2_activation = spec.pow2_activation
+        self.weight_block_size = [GROUP, GROUP] if spec.recipe == "blockwise" else None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Fp8CoreConfig:
-        unknown = set(config) - set(_KEYS) - {"quant_method", "weight_block_size"}
+        unknown = set(config) - set(FP8_RECIPE_KEYS) - {"quant_method", "weight_block_size", "num_hidden_layers"}
         if unknown:
             raise ValueError(f"quantization_config for {QUANT_NAME} has unknown keys {sorted(unknown)}")
         if "num_hidden_layers" not in config:
@@ -143,10 +136,9 @@ class Fp8CoreConfig(QuantizationConfig):
         if config.get("weight_block_size", expected_block) != expected_block:
             raise ValueError(f"quantization_config.weight_block_size must be {expected_block} for "
                              f"fp8_recipe={recipe!r}, got {config['weight_block_size']}")
-        for key in ("pow2_weight_scaling_factors", "pow2_activation_scaling_factors"):
-            if not isinstance(config.get(key, False), bool):
-                raise ValueError(f"quantization_config.{key} must be a bool, got {config[key]!r}")
-        return cls(**{k: config[k] for k in _KEYS if k in config})
+        spec = fp8_spec_from_keys({k: v for k, v in config.items() if k in FP8_RECIPE_KEYS},
+                                  where="quantization_config")
+        return cls(num_hidden_layers=config["num_hidden_layers"], spec=spec)
 
     def get_name(self) -> str:
         return QUANT_NAME

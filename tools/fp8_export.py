@@ -41,13 +41,10 @@ def _split_checkpoint(uri: str) -> tuple[str, int | None]:
 def quantization_config(spec, num_hidden_layers: int, layout: str) -> dict:
     """The ``quantization_config`` entry of the exported config.json."""
     if layout == "fp8core":
+        from configs.schema import fp8_spec_keys
         from rollout.vllm_fp8 import quantization_config_dict
 
-        return quantization_config_dict(
-            num_hidden_layers=num_hidden_layers, fp8_recipe=spec.recipe,
-            num_first_layers_in_bf16=spec.num_first_layers_in_bf16,
-            num_last_layers_in_bf16=spec.num_last_layers_in_bf16, pow2_weight_scaling_factors=spec.pow2_weight,
-            pow2_activation_scaling_factors=spec.pow2_activation)
+        return quantization_config_dict(num_hidden_layers=num_hidden_layers, **fp8_spec_keys(spec))
     if spec.recipe != "blockwise":
         raise ValueError(f"--layout vllm: vLLM's native FP8 layout here is block FP8 (128x128); the checkpoint's "
                          f"recipe is {spec.recipe!r} (use --layout fp8core)")

@@ -199,7 +199,7 @@ class PolicyWorker:
                  dp: DPGroup | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from fp8core.rl.calibrated_clipping import CalibratedClipping, CalibratedClippingConfig
+        from fp8core.rl.calibrated_clipping import CalibratedClipping
 
         self.cfg = cfg
         p = cfg.policy
@@ -224,16 +224,8 @@ class PolicyWorker:
         self.moe_layers = convert_routers(self.model)  # MoE: routers in FP32 (fp8core/moe.py); [] for dense models
         self.router_replay = bool(p.router_replay.enabled and self.moe_layers)
         self._moe_measure, self._moe_acc = False, None
-        self.fp8_layers: list[str] = []
-        f8 = p.megatron_cfg.fp8_cfg
-        if f8.enabled:
-            from fp8core.convert import convert_to_fp8
-            from fp8core.linear import FP8LinearConfig
-
-            lin = FP8LinearConfig(recipe=f8.fp8_recipe, fmt=f8.fp8, pow2_weight=f8.pow2_weight_scaling_factors,
-                                  pow2_activation=f8.pow2_activation_scaling_factors, backend=f8.backend)
-            self.fp8_layers = convert_to_fp8(self.model, lin, num_first_layers_in_bf16=f8.num_first_layers_in_bf16,
-                                             num_last_layers_in_bf16=f8.num_last_layers_in_bf16)
+        self.fp8_spec = cfg.trainer_fp8_spec()  # the one FP8 numerics spec (the engine's too in end-to-end FP8)
+        self.fp8_layers: list[str] = self.fp8_spec.convert(self.model) if self.fp8_spec is not None else []
         self.dp = dp or DPGroup()
         if self.dp.active:  # data-parallel rank: FSDP2 shards masters, gradients and optimizer state (trainer/dp.py)
             from trainer.dp import init_group, shard_model
@@ -251,14 +243,7 @@ class PolicyWorker:
             min_lr_ratio=s.min_lr_ratio))
         lf, cal = cfg.loss_fn, cfg.calibration
         self.clip_low, self.clip_high = 1.0 - lf.ratio_clip_min, 1.0 + lf.ratio_clip_max
-        self.cc = None
-        if cal.calibrated_clipping:
-            self.cc = CalibratedClipping(CalibratedClippingConfig(
-                interval=cal.clip_period, low_range=tuple(cal.clip_low_range), high_range=tuple(cal.clip_high_range),
-                step=cal.clip_search_step, max_delta_low=cal.clip_max_delta_low,
-                max_delta_high=cal.clip_max_delta_high, init_low=cal.clip_init_low, init_high=cal.clip_init_high,
-                ref_eps_low=lf.ratio_clip_min,
-                ref_eps_high=lf.ratio_clip_max))
+        self.cc = CalibratedClipping(cfg.calibrated_clipping_config()) if cal.calibrated_clipping else None
         self.kv_scales: dict[str, list[float]] | None = None
         # calibration.kv_rounding_in_trainer: _token_logp rounds K/V like the engine's FP8 cache with the scales the
         # engine holds (the last calibrated ones; unit scales before any), except in the BF16 shadow forwards

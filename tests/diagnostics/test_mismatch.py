@@ -27,13 +27,12 @@ def test_mismatch_table_a_to_d(tmp_path):
     from diagnostics.mismatch import _tokenizer, mismatch_table, quick_sft_model
     from embedded.math_task import make_problem
     from embedded.tiny_model import chat_prompt
-    from rollout.engine import RolloutConfig
 
     model_dir = quick_sft_model(MODELS)
     tok = _tokenizer(model_dir)
     rng = random.Random(3)
     prompts = [chat_prompt(tok, make_problem(rng)["question"]) for _ in range(8)]
-    base = RolloutConfig(kv_cache_memory_bytes=16 << 20, max_model_len=256)
+    base = dict(kv_cache_memory_bytes=16 << 20, max_model_len=256)
     table = mismatch_table(model_dir, run_dir=tmp_path, prompts=prompts, n=2, max_tokens=24, base=base)
     print("\n" + format_table(table))
     err = {k: v["mismatch/token_mult_prob_error"] for k, v in table["rows"].items()}

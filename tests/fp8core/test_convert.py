@@ -5,7 +5,8 @@ import transformers
 from torch import nn
 
 from fp8core.convert import convert_to_fp8, decoder_layers, fp8_layer_indices, fp8_modules, high_precision
-from fp8core.linear import PRESETS, FP8Linear, FP8LinearConfig
+from fp8core.linear import FP8Linear, FP8LinearConfig
+from fp8core.spec import FP8Spec
 
 LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
@@ -63,7 +64,7 @@ def test_convert_last_layers_and_idempotent():
     model = tiny_llama(layers=3)
     names = convert_to_fp8(model, FP8LinearConfig(), num_last_layers_in_bf16=2)
     assert names == [f"model.layers.0.{s}" for s in LINEARS]
-    again = convert_to_fp8(model, PRESETS["tensorwise"], num_last_layers_in_bf16=2)
+    again = convert_to_fp8(model, FP8LinearConfig(recipe="tensorwise"), num_last_layers_in_bf16=2)
     assert again == names and model.model.layers[0].mlp.up_proj.config.recipe == "tensorwise"
 
 
@@ -102,12 +103,16 @@ def test_high_precision_shadow_forward(one_thread):
 
 # Tolerance for FP8 vs BF16 training: per-step loss within 2% relative (measured max 0.4-0.6% over 6 steps; ~2 s).
 LOSS_RTOL = 0.02
+# the recipes the training test compares with BF16 (rowwise with pow2 scales, as torchao's rowwise)
+SPECS = {"blockwise": FP8Spec(), "blockwise_hybrid": FP8Spec(fmt="hybrid"),
+         "rowwise": FP8Spec(recipe="rowwise", pow2_weight=True, pow2_activation=True),
+         "tensorwise": FP8Spec(recipe="tensorwise")}
 
 
 def _train(preset, steps=6):
     model = tiny_qwen3(seed=0, dtype=torch.bfloat16)
     if preset is not None:
-        convert_to_fp8(model, PRESETS[preset])
+        SPECS[preset].convert(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(1))
     losses = []

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fp8core.linear import (
-    PRESETS,
     FP8Linear,
     FP8LinearConfig,
     fp8_linear,
@@ -19,6 +18,7 @@ from fp8core.linear import (
     resolve_backend,
 )
 from fp8core.quant import dequantize, quantize
+from fp8core.spec import FP8Spec
 
 RECIPES = ["blockwise", "rowwise", "tensorwise"]
 # SQNR floors (dB) against the exact float64 product, Gaussian data. E4M3 operands give ~28-31 dB, E5M2 gradients
@@ -196,11 +196,14 @@ def test_config_frozen_presets_and_backend_resolution():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.recipe = "rowwise"
     assert c.recipe == "blockwise" and c.grad_fmt == "e4m3"
-    assert PRESETS["blockwise_hybrid"].grad_fmt == "e5m2"
-    assert FP8LinearConfig.from_preset("rowwise").pow2_weight is True
-    assert FP8LinearConfig.from_preset("tensorwise", backend="emulated").backend == "emulated"
-    with pytest.raises(ValueError, match="FP8 preset='nope'"):
-        FP8LinearConfig.from_preset("nope")
+    # named recipes resolve in one place, FP8Spec (the trainer's and the engine's): a recipe name sets the recipe
+    # only -- pow2 scales are their own keys, as in a YAML recipe
+    assert FP8Spec(fmt="hybrid").linear_config().grad_fmt == "e5m2"
+    assert FP8Spec(recipe="rowwise").linear_config().pow2_weight is False
+    assert FP8Spec(recipe="rowwise", pow2_weight=True).linear_config().pow2_weight is True
+    assert FP8Spec(recipe="tensorwise", backend="emulated").linear_config().backend == "emulated"
+    with pytest.raises(ValueError, match="FP8Spec.recipe='nope'"):
+        FP8Spec(recipe="nope")
     assert resolve_backend("auto", torch.device("cpu")) == "emulated"
     assert resolve_backend("scaled_mm", torch.device("cpu")) == "scaled_mm"
 

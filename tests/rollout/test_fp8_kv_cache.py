@@ -29,14 +29,15 @@ def model_dir():
 @pytest.fixture(scope="module", params=["bf16", "native", "emulated"])
 def kv_worker(request, model_dir, tmp_path_factory):
     """One engine per KV mode, one at a time (vLLM in-process engines share the process's distributed state)."""
-    from rollout.engine import RolloutConfig, RolloutWorker
+    from configs.schema import standalone_engine_config
+    from rollout.engine import RolloutWorker
 
     impl = request.param
     if impl == "native" and not cpu_caps().native_fp8_kv:
         pytest.skip(f"vLLM's native CPU FP8 KV cache needs AVX-512 or AMX; this CPU is {cpu_caps().kind} "
                     f"({cpu_caps().model}); the emulated cache is tested instead")
     kv = dict(kv_cache_dtype="auto") if impl == "bf16" else dict(kv_cache_dtype="fp8", kv_cache_impl=impl)
-    cfg = RolloutConfig(precision="fp8", num_first_layers_in_bf16=FIRST_BF16, pow2_weight_scaling_factors=POW2_W,
+    cfg = standalone_engine_config(precision="fp8", num_first_layers_in_bf16=FIRST_BF16, pow2_weight_scaling_factors=POW2_W,
                         kv_cache_memory_bytes=BUDGET, max_model_len=256, **kv)
     w = RolloutWorker(model_dir, cfg, run_dir=tmp_path_factory.mktemp(f"kv-{impl}"))
     yield impl, w

@@ -1,7 +1,7 @@
 """The FP8 contract through the pipeline's own refit path: rollout -> reward -> PolicyWorker.train_step (a real AdamW
 update, so the FP32 masters leave the BF16 grid) -> ``PolicyWorker.weights()`` -> ``RolloutWorker.refit`` (what
 tasks/rl.py ``refit`` sends actor to actor) leaves the engine's FP8 weights bit-identical to the trainer's own
-``FP8Linear.quantized_weight()``. The engine is built from the recipe by ``cluster.runtime.rollout_config``, as
+``FP8Linear.quantized_weight()``. The engine is built from the recipe (``RolloutWorker(model_dir, cfg)``), as
 ``start_workers`` does, so the rollout and trainer settings come from the same recipe the pipeline runs.
 
 Before the fix, refit shipped BF16 copies: the engine held ``quantize(bf16(w))`` while the trainer used
@@ -48,14 +48,13 @@ def _trained_policy_and_engine(model_dir, cfg):
     """A PolicyWorker after one real GRPO update on rollouts from an engine built as start_workers builds it."""
     import random
 
-    from cluster.runtime import rollout_config
     from embedded.math_task import make_problem, reward
     from embedded.tiny_model import chat_prompt
     from rollout.engine import RolloutWorker
     from trainer.policy import PolicyWorker
 
     policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
-    engine = RolloutWorker(model_dir, rollout_config(cfg), run_dir=Path(cfg.run_dir) / "rollout")
+    engine = RolloutWorker(model_dir, cfg, run_dir=Path(cfg.run_dir) / "rollout")
     rng = random.Random(0)
     rows = [make_problem(rng) for _ in range(cfg.grpo.num_prompts_per_step)]
     outs = engine.generate([chat_prompt(engine.tokenizer, r["question"]) for r in rows],
@@ -149,12 +148,11 @@ def test_fp8_refit_per_recipe_bit_identical_weights_and_outputs(model_dir, tmp_p
 
 def test_refit_refuses_bad_fp8_payloads_and_stale_kv_scales(model_dir, tmp_path):
     cfg = _cfg(tmp_path)
-    from cluster.runtime import rollout_config
     from rollout.engine import RolloutWorker
     from trainer.policy import PolicyWorker
 
     policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
-    engine = RolloutWorker(model_dir, rollout_config(cfg), run_dir=tmp_path / "rollout")
+    engine = RolloutWorker(model_dir, cfg, run_dir=tmp_path / "rollout")
     try:
         payload = policy.refit_weights()
         name = "model.layers.2.mlp.up_proj.weight"

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from configs.schema import standalone_engine_config
 from fp8core.cpu import caps_from, cpu_caps
 from rollout.engine import (
-    RolloutConfig,
     RolloutWorker,
     kv_bytes_per_token,
     resolve_kv_mode,
@@ -28,7 +28,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def worker(model_dir, tmp_path_factory):
-    w = RolloutWorker(model_dir, RolloutConfig(kv_cache_memory_bytes=32 << 20, max_model_len=256),
+    w = RolloutWorker(model_dir, standalone_engine_config(kv_cache_memory_bytes=32 << 20, max_model_len=256),
                       run_dir=tmp_path_factory.mktemp("rollout-run"))
     yield w
     w.shutdown()
@@ -59,17 +59,17 @@ def _error(model, results) -> float:
 
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="precision"):
-        RolloutConfig(precision="fp16")
+        standalone_engine_config(precision="fp16")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        RolloutConfig(kv_cache_dtype="int8")
+        standalone_engine_config(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="num_first_layers_in_bf16"):
-        RolloutConfig(num_first_layers_in_bf16=-1)
+        standalone_engine_config(num_first_layers_in_bf16=-1)
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
-        RolloutConfig(kv_cache_memory_bytes=0)
+        standalone_engine_config(kv_cache_memory_bytes=0)
     with pytest.raises(ValueError, match="kv_cache_impl"):
-        RolloutConfig(kv_cache_dtype="fp8", kv_cache_impl="fast")
-    with pytest.raises(ValueError, match="kv_cache_impl='emulated' only applies with kv_cache_dtype='fp8'"):
-        RolloutConfig(kv_cache_impl="emulated")
+        standalone_engine_config(kv_cache_dtype="fp8", kv_cache_impl="fast")
+    with pytest.raises(ValueError, match="kv_cache_impl: emulated only applies with .*kv_cache_dtype=fp8"):
+        standalone_engine_config(kv_cache_impl="emulated")
 
 
 _TINY = {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
@@ -134,16 +134,16 @@ def test_kv_bytes_per_token_formula():
 
 def test_bad_model_dirs_rejected_before_engine(tmp_path, model_dir):
     with pytest.raises(ValueError, match="does not exist"):
-        RolloutWorker(tmp_path / "nope", RolloutConfig(), run_dir=tmp_path / "run")
+        RolloutWorker(tmp_path / "nope", standalone_engine_config(), run_dir=tmp_path / "run")
     with pytest.raises(ValueError, match="config.json"):
-        RolloutWorker(tmp_path, RolloutConfig(), run_dir=tmp_path / "run")
+        RolloutWorker(tmp_path, standalone_engine_config(), run_dir=tmp_path / "run")
     bad = tmp_path / "bert"
     shutil.copytree(model_dir, bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["BertForMaskedLM"]
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="BertForMaskedLM.*not supported"):
-        RolloutWorker(bad, RolloutConfig(), run_dir=tmp_path / "run")
+        RolloutWorker(bad, standalone_engine_config(), run_dir=tmp_path / "run")
 
 
 def test_native_fp8_kv_refused_before_engine_for_a_head_size_vllm_cpu_rejects(model_dir, tmp_path):
@@ -153,15 +153,16 @@ def test_native_fp8_kv_refused_before_engine_for_a_head_size_vllm_cpu_rejects(mo
     cfg["head_dim"] = 80
     (odd / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="kv_cache_impl=native.*head_size 80"):
-        RolloutWorker(odd, RolloutConfig(kv_cache_dtype="fp8", kv_cache_impl="native"), run_dir=tmp_path / "run")
+        RolloutWorker(odd, standalone_engine_config(kv_cache_dtype="fp8", kv_cache_impl="native"), run_dir=tmp_path / "run")
 
 
 def test_kv_budget_too_small_for_one_sequence(model_dir, tmp_path):
     # 256 tokens * 2048 bytes/token (bf16) = 512 KiB needed
     with pytest.raises(ValueError, match="kv_cache_memory_bytes=100000 is too small.*max_model_len=256"):
-        RolloutWorker(model_dir, RolloutConfig(kv_cache_memory_bytes=100_000, max_model_len=256), run_dir=tmp_path)
+        RolloutWorker(model_dir, standalone_engine_config(kv_cache_memory_bytes=100_000, max_model_len=256), run_dir=tmp_path)
     with pytest.raises(ValueError, match="num_hidden_layers=4"):
-        RolloutWorker(model_dir, RolloutConfig(num_first_layers_in_bf16=3, num_last_layers_in_bf16=2),
+        RolloutWorker(model_dir, standalone_engine_config(precision="fp8", num_first_layers_in_bf16=3,
+                                                               num_last_layers_in_bf16=2),
                       run_dir=tmp_path)
 
 
@@ -318,7 +319,7 @@ def test_worker_as_ray_actor(model_dir, checkpoint, prompts, tmp_path):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         actor = ray.remote(RolloutWorker).options(num_cpus=1, runtime_env={"env_vars": {"OMP_NUM_THREADS": "2"}}) \
-            .remote(str(model_dir), RolloutConfig(kv_cache_memory_bytes=8 << 20, max_model_len=128),
+            .remote(str(model_dir), standalone_engine_config(kv_cache_memory_bytes=8 << 20, max_model_len=128),
                     run_dir=str(tmp_path))
         out = ray.get(actor.generate.remote(prompts, n=2, max_tokens=8, seed=1), timeout=300)
         assert len(out) == 2 and len(out[0]["samples"]) == 2
@@ -346,7 +347,7 @@ def test_seeded_batch_larger_than_one_step(worker):
     out = worker.generate(prompts, n=2, max_tokens=4, seed=0)
     assert len(out) == 40 and all(len(s["token_ids"]) >= 1 for r in out for s in r["samples"])
     with pytest.raises(ValueError, match="max_num_batched_tokens=100 must be >= max_model_len=256"):
-        RolloutConfig(max_num_batched_tokens=100, max_model_len=256)
+        standalone_engine_config(max_num_batched_tokens=100, max_model_len=256)
 
 
 _CAPPED = r"""  # run with FP8GRPO_CPU_CAP set; argv: model_dir run_dir
@@ -360,7 +361,8 @@ from fp8core.cpu import apply_cpu_cap, cpu_caps
 apply_cpu_cap()  # what RolloutWorker.__init__ does too; here first, so the probes below see the cap
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from rollout.engine import RolloutConfig, RolloutWorker
+from configs.schema import standalone_engine_config
+from rollout.engine import RolloutWorker
 
 model_dir, run_dir = Path(sys.argv[1]), Path(sys.argv[2])
 out = {"kind": cpu_caps().kind, "hw": cpu_caps().hardware_kind, "avx512": torch.cpu._is_avx512_supported(),
@@ -374,11 +376,11 @@ base = dict(precision="fp8", kv_cache_dtype="fp8", kv_cache_memory_bytes=8 << 20
 out["native"] = None
 if not cpu_caps().native_fp8_kv:  # must be refused before any engine starts
     try:
-        RolloutWorker(model_dir, RolloutConfig(**base, kv_cache_impl="native"), run_dir=run_dir)
+        RolloutWorker(model_dir, standalone_engine_config(**base, kv_cache_impl="native"), run_dir=run_dir)
         out["native"] = "started"
     except ValueError as e:
         out["native"] = str(e)
-w = RolloutWorker(model_dir, RolloutConfig(**base), run_dir=run_dir)
+w = RolloutWorker(model_dir, standalone_engine_config(**base), run_dir=run_dir)
 st = w.stats()
 out.update(kv_mode=st["kv_mode"], capacity=st["kv_capacity_tokens"], realised=st["kv_fp8_capacity_realised"],
            cpu=st["cpu"])

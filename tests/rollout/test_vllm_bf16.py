@@ -84,13 +84,14 @@ def test_engine_generates_like_native_bf16():
 def test_rollout_worker_picks_bf16_emulation_from_its_cpu(tmp_path):
     """RolloutWorker: bf16_mode=auto follows the worker's CPU (native BF16 units -> native, else emulated); emulated
     puts every decoder linear on bf16_emulated; FP8 engines report 'off'."""
+    from configs.schema import standalone_engine_config
     from diagnostics.mismatch import quick_sft_model
     from fp8core.cpu import cpu_caps
-    from rollout.engine import RolloutConfig, RolloutWorker
+    from rollout.engine import RolloutWorker
     from rollout.vllm_bf16 import Bf16EmulatedLinearMethod
 
     model_dir = quick_sft_model(MODELS)
-    w = RolloutWorker(model_dir, RolloutConfig(bf16_mode="emulated", kv_cache_memory_bytes=16 << 20,
+    w = RolloutWorker(model_dir, standalone_engine_config(bf16_mode="emulated", kv_cache_memory_bytes=16 << 20,
                                                max_model_len=256), run_dir=tmp_path)
     try:
         kinds = w.llm.apply_model(lambda m: sorted({type(mod.quant_method).__name__ for name, mod in
@@ -100,9 +101,9 @@ def test_rollout_worker_picks_bf16_emulation_from_its_cpu(tmp_path):
         assert all(s["token_ids"] for s in out[0]["samples"])
     finally:
         w.shutdown()
-    assert RolloutConfig(bf16_mode="auto").bf16_mode == "auto"
-    with pytest.raises(ValueError, match="rollout.bf16_mode='fast'"):
-        RolloutConfig(bf16_mode="fast")
+    assert standalone_engine_config(bf16_mode="auto").policy.generation.vllm_cfg.bf16_mode == "auto"
+    with pytest.raises(ValueError, match="vllm_cfg.bf16_mode: must be one of .*'fast'"):
+        standalone_engine_config(bf16_mode="fast")
     from fp8core.bf16 import resolve_bf16_mode
 
     expected = resolve_bf16_mode("auto", device=torch.device("cpu"), native_bf16=cpu_caps().native_bf16)

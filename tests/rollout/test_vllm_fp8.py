@@ -52,9 +52,10 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def worker(model_dir, tmp_path_factory):
-    from rollout.engine import RolloutConfig, RolloutWorker
+    from configs.schema import standalone_engine_config
+    from rollout.engine import RolloutWorker
 
-    cfg = RolloutConfig(precision="fp8", kv_cache_dtype="auto", num_first_layers_in_bf16=FIRST_BF16,
+    cfg = standalone_engine_config(precision="fp8", kv_cache_dtype="auto", num_first_layers_in_bf16=FIRST_BF16,
                         pow2_weight_scaling_factors=POW2_W, kv_cache_memory_bytes=16 << 20, max_model_len=256)
     w = RolloutWorker(model_dir, cfg, run_dir=tmp_path_factory.mktemp("fp8-run"))
     yield w

@@ -28,7 +28,6 @@ def model_dir():
 def pair(model_dir, tmp_path_factory):
     import random
 
-    from cluster.runtime import rollout_config
     from embedded.math_task import make_problem, reward
     from embedded.tiny_model import chat_prompt
     from rollout.engine import RolloutWorker
@@ -42,7 +41,7 @@ def pair(model_dir, tmp_path_factory):
         f"{f8}.num_first_layers_in_bf16={FIRST}", f"{f8}.pow2_weight_scaling_factors=true",
         "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={tmp}"])
     policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
-    engine = RolloutWorker(model_dir, rollout_config(cfg), run_dir=tmp / "rollout")
+    engine = RolloutWorker(model_dir, cfg, run_dir=tmp / "rollout")
     rng = random.Random(0)
     rows = [make_problem(rng) for _ in range(2)]
     prompts = [chat_prompt(engine.tokenizer, r["question"]) for r in rows]

@@ -40,13 +40,11 @@ def trained(tmp_path_factory):
 
 def _generate(model_dir, cfg, run_dir, weights=None):
     import random
-
-    from cluster.runtime import rollout_config
     from embedded.math_task import make_problem
     from embedded.tiny_model import chat_prompt
     from rollout.engine import RolloutWorker
 
-    engine = RolloutWorker(model_dir, rollout_config(cfg), run_dir=run_dir)
+    engine = RolloutWorker(model_dir, cfg, run_dir=run_dir)
     try:
         if weights is not None:
             engine.refit(weights)
