@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from configs.schema import Config
+from trainer.batch import Batch, _pad_cols
 from trainer.dp import (
     DPGroup,
     all_min,
@@ -116,80 +117,6 @@ def leave_one_out_advantages(rewards: torch.Tensor, *, group_size: int) -> torch
     g = rewards.reshape(-1, group_size).to(torch.float64)
     loo = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
     return (g - loo).reshape(-1).to(rewards.dtype)
-
-
-class Batch:
-    """Token tensors of one rollout batch (right-padded): ``tokens [B, L]``, ``attn [B, L]``, ``mask [B, L]`` (1 on
-    response tokens), ``rollout_logp [B, L]`` (vLLM's logprob of each response token, 0 elsewhere); for MoE
-    rollouts with routing, ``routing [B, L, num_moe_layers, top_k]`` (the engine's experts per token; padding
-    positions hold experts 0..k-1), else None."""
-
-    def __init__(self, tokens, attn, mask, rollout_logp, group_size: int, routing=None):
-        self.tokens, self.attn, self.mask, self.rollout_logp = tokens, attn, mask, rollout_logp
-        self.group_size = group_size
-        self.routing = routing
-
-    @classmethod
-    def from_rollouts(cls, rollouts: Sequence[Mapping], *, pad_id: int) -> Batch:
-        """From RolloutWorker.generate's output: one dict per prompt with ``prompt_token_ids`` and ``samples``."""
-        seqs, lps, starts = [], [], []
-        group = len(rollouts[0]["samples"])
-        for r in rollouts:
-            if len(r["samples"]) != group:
-                raise ValueError("all prompts must have the same number of samples (GRPO groups)")
-            p = list(r["prompt_token_ids"])
-            for s in r["samples"]:
-                seqs.append(p + list(s["token_ids"]))
-                lps.append(list(s["logprobs"]))
-                starts.append(len(p))
-        width = max(len(s) for s in seqs)
-        b = len(seqs)
-        tokens = torch.full((b, width), pad_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.float32)
-        rl = torch.zeros((b, width), dtype=torch.float32)
-        for i, (s, lp, st) in enumerate(zip(seqs, lps, starts, strict=True)):
-            tokens[i, : len(s)] = torch.tensor(s)
-            attn[i, : len(s)] = 1
-            mask[i, st: len(s)] = 1.0
-            rl[i, st: len(s)] = torch.tensor(lp, dtype=torch.float32)
-        routing = None
-        routed = [smp.get("routed_experts") for r in rollouts for smp in r["samples"]]
-        if routed and all(x is not None for x in routed):
-            n_layers, k = routed[0].shape[1:]
-            routing = torch.arange(k, dtype=torch.long).expand(b, width, n_layers, k).clone()
-            for i, (x, sq) in enumerate(zip(routed, seqs, strict=True)):
-                if x.shape[0] != len(sq):
-                    raise ValueError(f"routed_experts of sample {i}: {x.shape[0]} tokens, the sequence has {len(sq)}")
-                routing[i, : len(sq)] = x.long()
-        return cls(tokens, attn, mask, rl, group, routing)
-
-    def __len__(self):
-        return self.tokens.shape[0]
-
-    def slice(self, idx) -> Batch:
-        return Batch(self.tokens[idx], self.attn[idx], self.mask[idx], self.rollout_logp[idx], self.group_size,
-                     None if self.routing is None else self.routing[idx])
-
-    @property
-    def width(self) -> int:
-        return self.tokens.shape[1]
-
-    def trimmed(self) -> Batch:
-        """The same rows cut to their longest sequence: the trailing columns are padding in every row (right
-        padding; causal attention), so logprobs at real positions are unchanged and no compute is spent on pad."""
-        w = int(self.attn.sum(1).max()) if len(self) else 0
-        if w >= self.width:
-            return self
-        return Batch(self.tokens[:, :w], self.attn[:, :w], self.mask[:, :w], self.rollout_logp[:, :w],
-                     self.group_size, None if self.routing is None else self.routing[:, :w])
-
-
-def _pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad a [B, w] tensor with zeros to [B, width]."""
-    if t.shape[1] == width:
-        return t
-    return torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
 
 
 class PolicyWorker:

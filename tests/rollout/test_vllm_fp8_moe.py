@@ -134,7 +134,7 @@ def test_routing_capture_and_replay(pair):
     uses exactly the engine's experts; moe/* metrics are logged by train_step."""
     from diagnostics.mismatch import mismatch
     from fp8core.moe import routers
-    from trainer.policy import Batch
+    from trainer.batch import Batch
 
     policy, engine, prompts = pair
     outs = engine.generate(prompts, n=4, max_tokens=24, seed=5, routing=True)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from configs.schema import Config, config_from_dict
-from trainer.policy import Batch, PolicyWorker, leave_one_out_advantages, lr_lambda
+from trainer.batch import Batch
+from trainer.policy import PolicyWorker, leave_one_out_advantages, lr_lambda
 
 ROOT = Path(__file__).resolve().parents[2]
 
