@@ -80,3 +80,48 @@ def _pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
     if t.shape[1] == width:
         return t
     return torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float):
+    """Teacher-forced logprobs of ``tokens`` under ``logits`` (``[B, L, V]``, from a forward over ``tokens``):
+    ``logp[:, j] = log softmax(z_{j-1})[tokens_j]`` for j >= 1 with ``z = logits / temperature`` in FP32, column 0
+    = 0 (nothing predicts the first token; always masked). Returns ``(logp [B, L], z [B, L-1, V])`` (z for
+    entropies). The temperature makes them comparable with vLLM's processed logprobs (those of ``logits / T``)."""
+    z = logits[:, :-1].float() / temperature
+    lp = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1), z
+
+
+def by_length(b: Batch, batch_size: int, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``forward(sub_batch) -> (logp, entropy or None)`` over ``b`` in longest-first batches of ``batch_size``
+    rows, each trimmed to its own longest sequence (less padding); the results ``[len(b), b.width]`` come back in
+    ``b``'s row order, zero beyond each batch's width."""
+    from trainer.dp import longest_first_batches
+
+    lp_all = ent_all = None
+    for idx in longest_first_batches(b.attn.sum(1), batch_size):
+        lp, ent = forward(b.slice(idx).trimmed())
+        if lp_all is None:
+            lp_all = torch.zeros(len(b), b.width, dtype=lp.dtype)
+            ent_all = None if ent is None else torch.zeros(len(b), b.width, dtype=ent.dtype)
+        lp_all[idx] = _pad_cols(lp.cpu(), b.width)
+        if ent is not None:
+            ent_all[idx] = _pad_cols(ent.cpu(), b.width)
+    return lp_all, ent_all
+
+
+@torch.no_grad()
+def model_logprobs(model, rollouts: Sequence[Mapping], *, pad_id: int, temperature: float = 1.0,
+                   batch_size: int = 16) -> tuple[torch.Tensor, Batch]:
+    """Teacher-forced logprobs ``[B, L]`` of ``rollouts`` (RolloutWorker.generate output) under a plain HF causal
+    LM ``model`` (no trainer around it: its own dtype, no autocast), on the trainer's batches (``Batch``,
+    ``by_length``, ``token_logprobs``); returns them with the batch (``mask``, ``rollout_logp``). The trainer's
+    own numerics are ``PolicyWorker.score``."""
+    b = Batch.from_rollouts(rollouts, pad_id=pad_id)
+    device = next(model.parameters()).device
+
+    def forward(mb: Batch):
+        logits = model(input_ids=mb.tokens.to(device), attention_mask=mb.attn.to(device)).logits
+        return token_logprobs(logits, mb.tokens.to(device), temperature=temperature)[0], None
+
+    return by_length(b, batch_size, forward)[0], b

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from configs.schema import Config
-from trainer.batch import Batch, _pad_cols
+from trainer.batch import Batch, _pad_cols, by_length, token_logprobs
 from trainer.dp import (
     DPGroup,
     all_min,
@@ -62,7 +62,6 @@ from trainer.dp import (
     full_tensor,
     gather_objects,
     local_accumulation,
-    longest_first_batches,
     share_batches,
     unsharded,
 )
@@ -261,9 +260,7 @@ class PolicyWorker:
             logits = self.model(input_ids=tokens, attention_mask=attn).logits
         if self._moe_measure:
             self._record_routing(b)
-        z = logits[:, :-1].float() / self.cfg.policy.generation.temperature
-        lp = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-        logp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        logp, z = token_logprobs(logits, tokens, temperature=self.cfg.policy.generation.temperature)
         ent = None
         if want_entropy:
             from fp8core.rl.metrics import token_entropy
@@ -310,6 +307,15 @@ class PolicyWorker:
                 acc["mismatch"] += int((own != eng).any(-1).sum())
                 acc["tokens"] += int(real.sum())
 
+    def _start_moe_measure(self) -> None:
+        """Count routing (``moe/*``) in the forwards from now until ``_moe_measure`` is set back to False."""
+        from fp8core.moe import routers
+
+        n_exp = routers(self.model)[0][1].num_experts
+        self._moe_measure = True
+        self._moe_acc = {"mismatch": 0, "tokens": 0,
+                         "counts": torch.zeros(len(self.moe_layers), n_exp, dtype=torch.float64)}
+
     def _moe_metrics(self) -> dict[str, float]:
         acc, m = self._moe_acc, {"moe/router_replay": float(self.router_replay)}
         if acc["tokens"]:
@@ -348,17 +354,32 @@ class PolicyWorker:
         was = self.model.training
         self.model.eval()
         sub = b if rows is None else b.slice(rows)
-        lp_all = ent_all = None
-        for idx in longest_first_batches(sub.attn.sum(1), self.cfg.policy.logprob_batch_size):
-            lp, ent = self._token_logp(sub.slice(idx).trimmed(), want_entropy=want_entropy)
-            if lp_all is None:
-                lp_all = torch.zeros(len(sub), sub.width, dtype=lp.dtype)
-                ent_all = None if ent is None else torch.zeros(len(sub), sub.width, dtype=ent.dtype)
-            lp_all[idx] = _pad_cols(lp.cpu(), sub.width)
-            if ent is not None:
-                ent_all[idx] = _pad_cols(ent.cpu(), sub.width)
+        out = by_length(sub, self.cfg.policy.logprob_batch_size,
+                        lambda mb: self._token_logp(mb, want_entropy=want_entropy))
         self.model.train(was)
-        return lp_all, ent_all
+        return out
+
+    @torch.no_grad()
+    def score(self, rollouts: Sequence[Mapping]) -> dict:
+        """Teacher-forced logprobs of ``rollouts`` (RolloutWorker.generate output) with this trainer as it trains:
+        the forward of ``train_step``'s old-logprob pass (its FP8 linears, ``policy.precision``, MoE routing replay
+        and KV rounding as configured), no update. Returns ``{"logp": [B, L], "batch": Batch, "metrics": ...}`` with
+        ``mismatch/*`` against the rollout's logprobs (fp8core.rl.mismatch_metrics, as logged every step),
+        ``tokens`` and, for MoE models, ``moe/*``. What the diagnostics (mismatch tables, KV attribution) measure."""
+        from fp8core.rl import mismatch_metrics
+
+        b = Batch.from_rollouts(rollouts, pad_id=self.tokenizer.pad_token_id)
+        if self.moe_layers:
+            self._start_moe_measure()
+        try:
+            lp, _ = self.logprobs(b)
+        finally:
+            self._moe_measure = False
+        m = mismatch_metrics(lp, b.rollout_logp, b.mask)
+        m["tokens"] = int(b.mask.sum())
+        if self.moe_layers:
+            m.update(self._moe_metrics())
+        return {"logp": lp, "batch": b, "metrics": m}
 
     def _shadow_logprobs(self, b: Batch) -> torch.Tensor:
         from fp8core.convert import high_precision
@@ -399,12 +420,7 @@ class PolicyWorker:
             raise ValueError(f"train_step: {r.numel()} rewards for {len(b)} samples")
         m: dict[str, float] = {}
         if self.moe_layers:  # moe/* metrics from the forwards on the weights the engine ran (before the first update)
-            from fp8core.moe import routers
-
-            n_exp = routers(self.model)[0][1].num_experts
-            self._moe_measure = True
-            self._moe_acc = {"mismatch": 0, "tokens": 0,
-                             "counts": torch.zeros(len(self.moe_layers), n_exp, dtype=torch.float64)}
+            self._start_moe_measure()
         gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
         perm = torch.randperm(len(b), generator=torch.Generator().manual_seed(cfg.grpo.seed * 100003 + step))
         keep = torch.ones(len(b), dtype=torch.bool)
