@@ -21,7 +21,9 @@ import signal
 import sys
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if __name__ == "__main__":  # before Prefect is imported
     from flows.cli_env import prefect_cli_env
@@ -32,6 +34,10 @@ from prefect import flow  # noqa: E402
 
 import cluster.quiet  # noqa: E402,F401  third-party start-up noise off before transformers / torchao / MLflow load
 from configs.schema import EMBEDDED, Config, load_config, to_yaml  # noqa: E402
+
+if TYPE_CHECKING:
+    from data.loading import PromptSource
+    from tasks.context import RunContext
 
 PLOT_KEYS = ["reward/mean", "val/accuracy", "mismatch/token_mult_prob_error", "policy/entropy", "time/step_s",
              "throughput/rollout_tokens_per_s"]
@@ -61,58 +67,108 @@ def _progress(step: int, total: int, m: dict, val: float | None) -> str:
             f"train {m.get('time/train_s', 0):.1f} calib {m.get('time/calibrate_s', 0):.1f})")
 
 
+@dataclass
+class _Run:
+    """What one run of the flow carries from step to step: the recipe and its paths, then what each step adds."""
+
+    cfg: Config
+    run_dir: Path
+    ck_uri: str | None  # checkpointing.checkpoint_dir resolved against run_dir; None when checkpointing is off
+    t_start: float
+    auth: Any = None  # Ray token auth (cluster.runtime.ray_auth)
+    caps: Any = None  # this (driver) node's CPU (fp8core.cpu.cpu_caps); each actor reports its own
+    cpu: dict = field(default_factory=dict)  # summary's cpu_* keys: the driver's, then the actors' kinds once up
+    model_dir: Any = None  # the local Hugging Face model directory (embedded assets resolved)
+    data: PromptSource | None = None
+    val_rows: list = field(default_factory=list)
+    eval_rows: dict = field(default_factory=dict)
+    start_step: int = 0  # the resumed checkpoint's step, else 0
+    resume_state: dict | None = None
+    uri: str | None = None  # MLflow tracking URI (None: MLflow off)
+    run_id: str | None = None
+    started_ray: bool = False
+    workers: Any = None
+    ctx: RunContext | None = None
+    kv_scales: dict | None = None  # FP8 KV cache: the last calibration's scales, handed to every refit
+    status: str = "FAILED"
+    val_acc: dict[int, float] = field(default_factory=dict)
+    val_metrics: dict[int, dict] = field(default_factory=dict)  # step -> val/* metrics of every set validated then
+    val_files: dict[str, dict[int, str]] = field(default_factory=dict)  # set -> step -> val/<set>/step_XXXXXX.jsonl
+    last_ck: str | None = None
+    history: list[dict] = field(default_factory=list)  # each step's metrics
+
+
 @flow(name="fp8-grpo", log_prints=False, validate_parameters=True)
 def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     import ray
 
-    from cluster.env import apply_env
-    from cluster.runtime import (
-        WorkerLost,
-        check_rollout_kv,
-        init_ray,
-        lost_trainers,
-        ray_auth,
-        start_workers,
-        stop_workers,
-        worker_nodes,
-    )
+    from cluster.runtime import init_ray, stop_workers
     from cluster.watchdog import start_watchdog
-    from data.eval_sets import check_eval_paths, load_eval_sets
-    from data.loading import PromptSource
-    from flows.bootstrap import bootstrap_flow
-    from flows.rl_step import rl_step
-    from fp8core.cpu import cpu_caps, describe
-    from storage.checkpoint import CheckpointStore
-    from tasks import rl
-    from tasks.checkpoint import load_checkpoint, save_checkpoint
-    from tasks.context import RunContext
-    from tasks.tracking import (
-        client,
-        finish_run,
-        log_metrics,
-        log_text,
-        set_tags,
-        start_run,
-        tracking_uri,
-        ui_hint,
-        ui_url,
-    )
 
     start_watchdog()  # after this process ends (even by kill -9), whatever it started is ended too
+
+    run = _open_run(config_path, overrides)
+    _assets_and_data(run)
+    _resume_point(run)
+    _open_mlflow_run(run)
+    try:
+        run.started_ray = init_ray(run.cfg, run.run_dir, run.auth)
+        _start_workers(run)
+        _initial_kv_scales(run)
+        if run.cfg.grpo.val_at_start and run.start_step == 0:
+            _run_validation(run, 0)
+        _train(run)
+        run.status = "FINISHED"
+    except BaseException as e:  # SIGTERM (Prefect's TerminationSignal), Ctrl-C, a cancel: fast cleanup, run KILLED
+        if cancelled(e):
+            run.status = "KILLED"
+            _say(f"fp8-grpo: {type(e).__name__} (a cancel or a stop signal): stopping the workers and Ray")
+        raise
+    finally:
+        try:
+            stop_workers(run.workers, graceful=run.status == "FINISHED")
+        finally:
+            if run.started_ray:
+                ray.shutdown()
+        summary = _finish(run)
+    _say(_final_lines(summary))
+    return summary
+
+
+def _open_run(config_path: str, overrides: list[str] | None) -> _Run:
+    """Load + validate the recipe (bad keys/types/combinations fail here), make the run dir (the run's environment,
+    Ray token auth, config.resolved.yaml), check the evaluation-set paths and print the recipe and CPU lines."""
+    from cluster.env import apply_env
+    from cluster.runtime import ray_auth
+    from data.eval_sets import check_eval_paths
+    from fp8core.cpu import cpu_caps, describe
 
     t_start = time.perf_counter()
     cfg = load_config(config_path, list(overrides or []))
     run_dir, ck_uri = resolve_paths(cfg)
+    run = _Run(cfg=cfg, run_dir=run_dir, ck_uri=ck_uri, t_start=t_start)
     run_dir.mkdir(parents=True, exist_ok=True)
     apply_env(run_dir)
-    auth = ray_auth(cfg, run_dir)  # Ray token auth (a bad ray.auth_token_path fails here, before any work)
+    run.auth = ray_auth(cfg, run_dir)  # Ray token auth (a bad ray.auth_token_path fails here, before any work)
     (run_dir / "config.resolved.yaml").write_text(to_yaml(cfg))
     _say(f"fp8-grpo: recipe {cfg.recipe} ({cfg.precision_tag}), run dir {run_dir}")
     check_eval_paths(cfg)  # a local evaluation-set file that is missing fails before the assets are built
-    caps = cpu_caps()  # this (driver) node; each actor reports its own below
+    run.caps = cpu_caps()  # this (driver) node; each actor reports its own below
+    run.cpu = {"cpu_kind": run.caps.kind, "cpu_model": run.caps.model, "cpu_cap": run.caps.cap}
     _say(describe())
+    return run
 
-    # -- assets and data (fail before any worker starts) -------------------------------------------------------------
+
+def _assets_and_data(run: _Run) -> None:
+    """Assets and data, all before any worker starts: the embedded assets (bootstrap subflow) where the recipe says
+    ``embedded``, the model directory, the rollout KV-cache check, the training, validation and evaluation sets (a
+    missing file or column fails here), then the TEST-ONLY fault warnings."""
+    from cluster.runtime import check_rollout_kv
+    from data.eval_sets import load_eval_sets
+    from data.loading import PromptSource
+    from flows.bootstrap import bootstrap_flow
+
+    cfg = run.cfg
     model_dir = cfg.policy.model_name
     train_path, val_path = cfg.data.train_path, cfg.data.validation_path
     if EMBEDDED in (model_dir, train_path, val_path):
@@ -123,12 +179,19 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         val_path = assets["validation"] if val_path == EMBEDDED else val_path
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"policy.model_name: {model_dir} is not a local Hugging Face model directory")
+    run.model_dir = model_dir
     kv_mode, kv_reason = check_rollout_kv(cfg, Path(model_dir))  # ConfigError where vLLM would refuse the KV cache
     if cfg.policy.generation.vllm_cfg.kv_fp8:
         _say(f"rollout FP8 KV cache: {kv_mode} ({kv_reason})")
-    data = PromptSource.from_config(cfg.data, train_path=train_path, validation_path=val_path, seed=cfg.grpo.seed)
-    val_rows = data.validation_rows(cfg.grpo.max_val_samples)
-    eval_rows = load_eval_sets(cfg)  # evaluation.sets: a missing file / column fails here, naming the key
+    run.data = PromptSource.from_config(cfg.data, train_path=train_path, validation_path=val_path,
+                                        seed=cfg.grpo.seed)
+    run.val_rows = run.data.validation_rows(cfg.grpo.max_val_samples)
+    run.eval_rows = load_eval_sets(cfg)  # evaluation.sets: a missing file / column fails here, naming the key
+    _say_test_faults(cfg)
+
+
+def _say_test_faults(cfg: Config) -> None:
+    """One loud line per TEST-ONLY fault the recipe turns on."""
     for key in ("fault_kill_rollout_at_step", "fault_kill_policy_at_step"):
         if getattr(cfg.testing, key):
             _say(f"TEST-ONLY FAULT: testing.{key}={getattr(cfg.testing, key)}: a worker process will be SIGKILLed "
@@ -137,142 +200,186 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
         _say(f"TEST-ONLY FAULT: testing.fault_val_accuracy_drop={cfg.testing.fault_val_accuracy_drop}: validation "
              "accuracy is deliberately degraded (a test of the regression verdict; never use it in a real run)")
 
-    # -- resume state (read before MLflow, so the same run is reopened) ---------------------------------------------
-    ck_cfg = cfg.checkpointing
-    start_step, resume_state = 0, None
+
+def _resume_point(run: _Run) -> None:
+    """With ``checkpointing.resume``: the latest complete checkpoint's step and state (read before MLflow, so that
+    the same MLflow run is reopened); the run starts at step 0 when there is none."""
+    from storage.checkpoint import CheckpointStore
+
+    ck_cfg = run.cfg.checkpointing
     if ck_cfg.resume:
-        store = CheckpointStore(ck_uri, endpoint_url=ck_cfg.s3_endpoint_url)
+        store = CheckpointStore(run.ck_uri, endpoint_url=ck_cfg.s3_endpoint_url)
         latest = store.latest_step()
         if latest is not None:
-            resume_state = store.load_state(latest)
-            start_step = latest
+            run.resume_state = store.load_state(latest)
+            run.start_step = latest
             _say(f"resume: checkpoint {store.step_uri(latest)} (step {latest})")
         else:
-            _say(f"resume: no complete checkpoint under {ck_uri}; starting at step 0")
+            _say(f"resume: no complete checkpoint under {run.ck_uri}; starting at step 0")
 
-    uri = tracking_uri(cfg, run_dir) if cfg.logger.mlflow_enabled else None
-    run_id = None
-    if uri:
-        run_id = start_run(cfg, uri, run_id=(resume_state or {}).get("mlflow_run_id"), extra_params=caps.as_params())
-        log_text(uri, run_id, to_yaml(cfg), "config.resolved.yaml")
 
-    started_ray, workers, status = False, None, "FAILED"
-    cpu = {"cpu_kind": caps.kind, "cpu_model": caps.model, "cpu_cap": caps.cap}  # the actors' kinds once they are up
-    val_acc: dict[int, float] = {}
-    val_metrics: dict[int, dict] = {}  # step -> val/* metrics of every set validated then (with CIs)
-    val_files: dict[str, dict[int, str]] = {}  # set -> step -> run_dir/val/<set>/step_XXXXXX.jsonl
-    last_ck, history = None, []
-    try:
-        started_ray = init_ray(cfg, run_dir, auth)
-        t0 = time.perf_counter()
-        workers = start_workers(cfg, Path(model_dir), run_dir, tag=uuid.uuid4().hex[:8])
-        info = ray.get(workers.policy.info.remote())
-        r_stats, p_cpu = ray.get([workers.rollout.stats.remote(), workers.policy.cpu.remote()])
-        _say(f"workers up in {time.perf_counter() - t0:.1f}s: policy {info['num_params'] / 1e6:.2f}M params "
-             f"({info['fp8_layers']} FP8 linears, CPU kind {p_cpu['kind']}) x {len(workers.policies)} trainer(s), rollout {len(workers.rollouts)} x vLLM "
-             f"{cfg.policy.generation.vllm_cfg.precision} kv={r_stats['kv_mode']} (CPU kind {r_stats['cpu']['kind']}); "
-             f"on {worker_nodes(workers)} Ray node(s)")
-        # Tags, not params: a resumed run may land on another CPU (params are immutable in MLflow).
-        cpu.update(cpu_kind=p_cpu["kind"], cpu_rollout_kind=r_stats["cpu"]["kind"], kv_mode=r_stats["kv_mode"])
-        set_tags(uri, run_id, {"cpu/kind": caps.kind, "cpu/rollout_kind": r_stats["cpu"]["kind"],
-                               "cpu/policy_kind": p_cpu["kind"], "cpu/cap": caps.cap or "none",
-                               "rollout/kv_mode": r_stats["kv_mode"], "policy/bf16_mode": info["bf16_mode"],
-                               "rollout/bf16_mode": r_stats["bf16_mode"], "cluster/nodes": worker_nodes(workers)})
-        ctx = RunContext.from_config(cfg, policy=workers.policy_name, rollouts=workers.rollout_names, run_id=run_id,
-                                     tracking_uri=uri, model_dir=str(model_dir), checkpoint_uri=ck_uri,
-                                     policy_ranks=workers.policy_names, run_dir=str(run_dir))
-        kv_scales = None  # FP8 KV cache: calibrated on the policy, handed to every refit (they carry their step)
-        if resume_state is not None:
-            kv_scales = load_checkpoint(ctx, start_step).get("kv_scales")
-        elif ctx.kv_fp8:  # initial KV scales from the starting policy on a first batch of rollouts
-            rl.refit(ctx)
-            ref, _ = rl.rollout(ctx, data.train_rows(0, cfg.grpo.num_prompts_per_step), 0)
-            kv_scales, _ = rl.calibrate(ctx, ref, 0)
+def _open_mlflow_run(run: _Run) -> None:
+    """With ``logger.mlflow_enabled``: start the MLflow run (the resumed checkpoint's run when there is one) and log
+    the resolved recipe to it."""
+    from tasks.tracking import log_text, start_run, tracking_uri
 
-        def run_validation(step: int) -> None:
-            ends = step in (0, cfg.grpo.max_num_steps)  # evaluation.*: "ends" sets / sampling run only here
-            sets = {"main": val_rows, **{s.name: eval_rows[s.name] for s in cfg.evaluation.sets
-                                         if s.when == "period" or ends}}
-            sampled = cfg.evaluation.num_samples > 0 and (cfg.evaluation.sampled_when == "period" or ends)
-            out = rl.validate(ctx, sets, step, kv_scales=kv_scales, sampled=sampled,
-                              num_samples_to_keep=cfg.logger.num_val_samples_to_print)
-            m = out["metrics"]
-            val_acc[step] = m["val/accuracy"]
-            val_metrics[step] = {k: v for k, v in m.items() if k.startswith("val/") or k.startswith("time/validate")}
-            for name, recs in out["records"].items():  # per-prompt results: paired comparisons across runs
-                path = run_dir / "val" / name / f"step_{step:06d}.jsonl"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                text = "".join(json.dumps(r) + "\n" for r in recs)
-                path.write_text(text)
-                val_files.setdefault(name, {})[step] = str(path)
-                log_text(uri, run_id, text, f"val/{name}/step_{step:06d}.jsonl")
-            log_text(uri, run_id, json.dumps(out["samples"], indent=1), f"samples/val_step_{step:06d}.json")
-            if step == start_step or ends:
-                _say(_val_lines(step, cfg, m, list(sets)))
+    cfg = run.cfg
+    run.uri = tracking_uri(cfg, run.run_dir) if cfg.logger.mlflow_enabled else None
+    if run.uri:
+        run.run_id = start_run(cfg, run.uri, run_id=(run.resume_state or {}).get("mlflow_run_id"),
+                               extra_params=run.caps.as_params())
+        log_text(run.uri, run.run_id, to_yaml(cfg), "config.resolved.yaml")
 
-        if cfg.grpo.val_at_start and start_step == 0:
-            run_validation(0)
-        skipped_before = 0.0
-        for step in range(start_step + 1, cfg.grpo.max_num_steps + 1):
-            rows = data.train_rows(step - 1, cfg.grpo.num_prompts_per_step)
-            try:
-                m, kv_scales = rl_step(ctx, rows, step, kv_scales)
-            except Exception as e:  # a dead trainer rank (any error: probe them): stop now with what to do, no traceback
-                lost = lost_trainers(e, ctx.trainers)
-                if not lost:
-                    raise
-                done = CheckpointStore(ck_uri, endpoint_url=ck_cfg.s3_endpoint_url).latest_step() if ck_uri else None
-                where = (f"the last complete checkpoint is step {done} under {ck_uri}: rerun the same command with "
-                         "checkpointing.resume=true to continue from it" if done is not None else
-                         "no complete checkpoint was written yet: rerun from the start")
-                msg = (f"policy worker(s) {', '.join(lost)} died during step {step} ({type(e).__name__}); the run "
-                       f"stops and its other workers are ended; {where}")
-                _say(f"fp8-grpo: {msg}")
-                raise WorkerLost(msg) from e
-            history.append(m)
-            last = step == cfg.grpo.max_num_steps
-            if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or last:
-                run_validation(step)
-            _say(_progress(step, cfg.grpo.max_num_steps, m, val_acc.get(step)))
-            skipped_now = m.get("train/skipped_updates", 0.0) - skipped_before
-            skipped_before = m.get("train/skipped_updates", 0.0)
-            if ck_uri and (step % ck_cfg.save_period == 0 or last):
-                if skipped_now > 0:
-                    _say(f"step {step}: {int(skipped_now)} non-finite update(s) skipped; checkpoint not written")
-                else:
-                    last_ck = save_checkpoint(ctx, step)
-        status = "FINISHED"
-    except BaseException as e:  # SIGTERM (Prefect's TerminationSignal), Ctrl-C, a cancel: fast cleanup, run KILLED
-        if cancelled(e):
-            status = "KILLED"
-            _say(f"fp8-grpo: {type(e).__name__} (a cancel or a stop signal): stopping the workers and Ray")
-        raise
-    finally:
+
+def _start_workers(run: _Run) -> None:
+    """Start the PolicyWorker and RolloutWorker actors, print what came up (and on which CPU kinds), tag the MLflow
+    run with the kinds and build the RunContext the tasks share."""
+    import ray
+
+    from cluster.runtime import start_workers, worker_nodes
+    from tasks.context import RunContext
+    from tasks.tracking import set_tags
+
+    cfg, uri, run_id = run.cfg, run.uri, run.run_id
+    t0 = time.perf_counter()
+    workers = run.workers = start_workers(cfg, Path(run.model_dir), run.run_dir, tag=uuid.uuid4().hex[:8])
+    info = ray.get(workers.policy.info.remote())
+    r_stats, p_cpu = ray.get([workers.rollout.stats.remote(), workers.policy.cpu.remote()])
+    _say(f"workers up in {time.perf_counter() - t0:.1f}s: policy {info['num_params'] / 1e6:.2f}M params "
+         f"({info['fp8_layers']} FP8 linears, CPU kind {p_cpu['kind']}) x {len(workers.policies)} trainer(s), rollout {len(workers.rollouts)} x vLLM "
+         f"{cfg.policy.generation.vllm_cfg.precision} kv={r_stats['kv_mode']} (CPU kind {r_stats['cpu']['kind']}); "
+         f"on {worker_nodes(workers)} Ray node(s)")
+    # Tags, not params: a resumed run may land on another CPU (params are immutable in MLflow).
+    run.cpu.update(cpu_kind=p_cpu["kind"], cpu_rollout_kind=r_stats["cpu"]["kind"], kv_mode=r_stats["kv_mode"])
+    set_tags(uri, run_id, {"cpu/kind": run.caps.kind, "cpu/rollout_kind": r_stats["cpu"]["kind"],
+                           "cpu/policy_kind": p_cpu["kind"], "cpu/cap": run.caps.cap or "none",
+                           "rollout/kv_mode": r_stats["kv_mode"], "policy/bf16_mode": info["bf16_mode"],
+                           "rollout/bf16_mode": r_stats["bf16_mode"], "cluster/nodes": worker_nodes(workers)})
+    run.ctx = RunContext.from_config(cfg, policy=workers.policy_name, rollouts=workers.rollout_names, run_id=run_id,
+                                     tracking_uri=uri, model_dir=str(run.model_dir), checkpoint_uri=run.ck_uri,
+                                     policy_ranks=workers.policy_names, run_dir=str(run.run_dir))
+
+
+def _initial_kv_scales(run: _Run) -> None:
+    """FP8 KV cache: the resumed checkpoint's KV scales, or on a first start the scales calibrated from the starting
+    policy on a first batch of rollouts."""
+    from tasks import rl
+    from tasks.checkpoint import load_checkpoint
+
+    if run.resume_state is not None:
+        run.kv_scales = load_checkpoint(run.ctx, run.start_step).get("kv_scales")
+    elif run.ctx.kv_fp8:  # initial KV scales from the starting policy on a first batch of rollouts
+        rl.refit(run.ctx)
+        ref, _ = rl.rollout(run.ctx, run.data.train_rows(0, run.cfg.grpo.num_prompts_per_step), 0)
+        run.kv_scales, _ = rl.calibrate(run.ctx, ref, 0)
+
+
+def _train(run: _Run) -> None:
+    """The RL steps after the resume point up to ``grpo.max_num_steps``: an ``rl_step`` subflow each, validation
+    every ``grpo.val_period`` steps and at the last, the step's progress line, and a checkpoint every
+    ``checkpointing.save_period`` steps and at the last (not after a step that skipped a non-finite update)."""
+    from cluster.runtime import lost_trainers
+    from flows.rl_step import rl_step
+    from tasks.checkpoint import save_checkpoint
+
+    cfg, ck_cfg = run.cfg, run.cfg.checkpointing
+    skipped_before = 0.0
+    for step in range(run.start_step + 1, cfg.grpo.max_num_steps + 1):
+        rows = run.data.train_rows(step - 1, cfg.grpo.num_prompts_per_step)
         try:
-            stop_workers(workers, graceful=status == "FINISHED")
-        finally:
-            if started_ray:
-                ray.shutdown()
-        summary = _summary(cfg, history, val_acc, start_step, last_ck, uri, run_id, time.perf_counter() - t_start)
-        summary.update(cpu)  # cpu_kind: where the trainer ran (the regression's throughput floor is per kind)
-        val_s = sum(v.get("time/validate_s", 0.0) for v in val_metrics.values())
-        summary.update(val_files=val_files, val_metrics=val_metrics, validate_s_total=val_s,
-                       validate_share=val_s / summary["wall_s"] if summary["wall_s"] else None,
-                       testing_fault_val_accuracy_drop=cfg.testing.fault_val_accuracy_drop)
-        if uri and run_id:  # the link opens MLflow's model-training view on this run's charts (tasks/tracking.py)
-            exp = client(uri).get_run(run_id).info.experiment_id
-            summary.update(mlflow_experiment_id=exp, mlflow_ui_url=ui_url(uri, exp, run_id),
-                           mlflow_ui_command=ui_hint(uri))
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-        if uri and run_id:
-            if val_acc:
-                log_metrics(uri, run_id, {"summary/val_accuracy_start": summary["val_accuracy_start"] or 0.0,
-                                          "summary/val_accuracy_end": summary["val_accuracy_end"] or 0.0,
-                                          "summary/validate_s": summary["validate_s_total"],
-                                          "summary/validate_share": summary["validate_share"] or 0.0},
-                            cfg.grpo.max_num_steps)
-            finish_run(uri, run_id, status=status, summary=summary, plot_keys=PLOT_KEYS if cfg.logger.plot else [])
-    _say(_final_lines(summary))
+            m, run.kv_scales = rl_step(run.ctx, rows, step, run.kv_scales)
+        except Exception as e:  # a dead trainer rank (any error: probe them): stop now with what to do, no traceback
+            lost = lost_trainers(e, run.ctx.trainers)
+            if not lost:
+                raise
+            raise _worker_lost(run, lost, step, e) from e
+        run.history.append(m)
+        last = step == cfg.grpo.max_num_steps
+        if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or last:
+            _run_validation(run, step)
+        _say(_progress(step, cfg.grpo.max_num_steps, m, run.val_acc.get(step)))
+        skipped_now = m.get("train/skipped_updates", 0.0) - skipped_before
+        skipped_before = m.get("train/skipped_updates", 0.0)
+        if run.ck_uri and (step % ck_cfg.save_period == 0 or last):
+            if skipped_now > 0:
+                _say(f"step {step}: {int(skipped_now)} non-finite update(s) skipped; checkpoint not written")
+            else:
+                run.last_ck = save_checkpoint(run.ctx, step)
+
+
+def _worker_lost(run: _Run, lost: list[str], step: int, e: BaseException) -> Exception:
+    """The WorkerLost to stop the run with when trainer ranks died in ``step``: which ones, and where to resume from
+    (the last complete checkpoint, else the start); its message is printed too."""
+    from cluster.runtime import WorkerLost
+    from storage.checkpoint import CheckpointStore
+
+    ck_uri, ck_cfg = run.ck_uri, run.cfg.checkpointing
+    done = CheckpointStore(ck_uri, endpoint_url=ck_cfg.s3_endpoint_url).latest_step() if ck_uri else None
+    where = (f"the last complete checkpoint is step {done} under {ck_uri}: rerun the same command with "
+             "checkpointing.resume=true to continue from it" if done is not None else
+             "no complete checkpoint was written yet: rerun from the start")
+    msg = (f"policy worker(s) {', '.join(lost)} died during step {step} ({type(e).__name__}); the run "
+           f"stops and its other workers are ended; {where}")
+    _say(f"fp8-grpo: {msg}")
+    return WorkerLost(msg)
+
+
+def _run_validation(run: _Run, step: int) -> None:
+    """Validate at ``step``: the main set, the evaluation sets due now and, when due, the sampled evaluation (the
+    "ends" sets and sampling run at step 0 and the last step only). Records the step's accuracy and val/* metrics,
+    writes each set's per-prompt results to run_dir/val/<set>/step_XXXXXX.jsonl and MLflow (paired comparisons
+    across runs), logs the kept samples, and prints the validation lines at the first and the last validation."""
+    from tasks import rl
+    from tasks.tracking import log_text
+
+    cfg, uri, run_id = run.cfg, run.uri, run.run_id
+    ends = step in (0, cfg.grpo.max_num_steps)  # evaluation.*: "ends" sets / sampling run only here
+    sets = {"main": run.val_rows, **{s.name: run.eval_rows[s.name] for s in cfg.evaluation.sets
+                                     if s.when == "period" or ends}}
+    sampled = cfg.evaluation.num_samples > 0 and (cfg.evaluation.sampled_when == "period" or ends)
+    out = rl.validate(run.ctx, sets, step, kv_scales=run.kv_scales, sampled=sampled,
+                      num_samples_to_keep=cfg.logger.num_val_samples_to_print)
+    m = out["metrics"]
+    run.val_acc[step] = m["val/accuracy"]
+    run.val_metrics[step] = {k: v for k, v in m.items() if k.startswith("val/") or k.startswith("time/validate")}
+    for name, recs in out["records"].items():  # per-prompt results: paired comparisons across runs
+        path = run.run_dir / "val" / name / f"step_{step:06d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps(r) + "\n" for r in recs)
+        path.write_text(text)
+        run.val_files.setdefault(name, {})[step] = str(path)
+        log_text(uri, run_id, text, f"val/{name}/step_{step:06d}.jsonl")
+    log_text(uri, run_id, json.dumps(out["samples"], indent=1), f"samples/val_step_{step:06d}.json")
+    if step == run.start_step or ends:
+        _say(_val_lines(step, cfg, m, list(sets)))
+
+
+def _finish(run: _Run) -> dict:
+    """The run's summary (also after a failure): written to run_dir/summary.json and, with MLflow, its summary/*
+    metrics and the end of the MLflow run (status, summary, plot)."""
+    from tasks.tracking import client, finish_run, log_metrics, ui_hint, ui_url
+
+    cfg, uri, run_id, val_metrics = run.cfg, run.uri, run.run_id, run.val_metrics
+    summary = _summary(cfg, run.history, run.val_acc, run.start_step, run.last_ck, uri, run_id,
+                       time.perf_counter() - run.t_start)
+    summary.update(run.cpu)  # cpu_kind: where the trainer ran (the regression's throughput floor is per kind)
+    val_s = sum(v.get("time/validate_s", 0.0) for v in val_metrics.values())
+    summary.update(val_files=run.val_files, val_metrics=val_metrics, validate_s_total=val_s,
+                   validate_share=val_s / summary["wall_s"] if summary["wall_s"] else None,
+                   testing_fault_val_accuracy_drop=cfg.testing.fault_val_accuracy_drop)
+    if uri and run_id:  # the link opens MLflow's model-training view on this run's charts (tasks/tracking.py)
+        exp = client(uri).get_run(run_id).info.experiment_id
+        summary.update(mlflow_experiment_id=exp, mlflow_ui_url=ui_url(uri, exp, run_id),
+                       mlflow_ui_command=ui_hint(uri))
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    if uri and run_id:
+        if run.val_acc:
+            log_metrics(uri, run_id, {"summary/val_accuracy_start": summary["val_accuracy_start"] or 0.0,
+                                      "summary/val_accuracy_end": summary["val_accuracy_end"] or 0.0,
+                                      "summary/validate_s": summary["validate_s_total"],
+                                      "summary/validate_share": summary["validate_share"] or 0.0},
+                        cfg.grpo.max_num_steps)
+        finish_run(uri, run_id, status=run.status, summary=summary, plot_keys=PLOT_KEYS if cfg.logger.plot else [])
     return summary
 
 
