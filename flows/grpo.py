@@ -89,6 +89,7 @@ class _Run:
     started_ray: bool = False
     workers: Any = None
     ctx: RunContext | None = None
+    hooks: Any = None  # TEST-ONLY (cluster.faults.TestHooks), None unless testing.* keys are set
     kv_scales: dict | None = None  # FP8 KV cache: the last calibration's scales, handed to every refit
     status: str = "FAILED"
     val_acc: dict[int, float] = field(default_factory=dict)
@@ -187,18 +188,11 @@ def _assets_and_data(run: _Run) -> None:
                                         seed=cfg.grpo.seed)
     run.val_rows = run.data.validation_rows(cfg.grpo.max_val_samples)
     run.eval_rows = load_eval_sets(cfg)  # evaluation.sets: a missing file / column fails here, naming the key
-    _say_test_faults(cfg)
+    from cluster.faults import TestHooks
 
-
-def _say_test_faults(cfg: Config) -> None:
-    """One loud line per TEST-ONLY fault the recipe turns on."""
-    for key in ("fault_kill_rollout_at_step", "fault_kill_policy_at_step"):
-        if getattr(cfg.testing, key):
-            _say(f"TEST-ONLY FAULT: testing.{key}={getattr(cfg.testing, key)}: a worker process will be SIGKILLed "
-                 "(a test of worker-loss handling; never use it in a real run)")
-    if cfg.testing.fault_val_accuracy_drop:
-        _say(f"TEST-ONLY FAULT: testing.fault_val_accuracy_drop={cfg.testing.fault_val_accuracy_drop}: validation "
-             "accuracy is deliberately degraded (a test of the regression verdict; never use it in a real run)")
+    run.hooks = TestHooks.from_config(cfg, run.run_dir)  # TEST-ONLY faults (None in a real run): loud warnings
+    for line in run.hooks.announcements() if run.hooks is not None else ():
+        _say(line)
 
 
 def _resume_point(run: _Run) -> None:
@@ -366,7 +360,7 @@ def _finish(run: _Run) -> dict:
     val_s = sum(v.get("time/validate_s", 0.0) for v in val_metrics.values())
     summary.update(val_files=run.val_files, val_metrics=val_metrics, validate_s_total=val_s,
                    validate_share=val_s / summary["wall_s"] if summary["wall_s"] else None,
-                   testing_fault_val_accuracy_drop=cfg.testing.fault_val_accuracy_drop)
+                   testing_fault_val_accuracy_drop=run.hooks.val_accuracy_drop if run.hooks else 0.0)
     if uri and run_id:  # the link opens MLflow's model-training view on this run's charts (tasks/tracking.py)
         exp = client(uri).get_run(run_id).info.experiment_id
         summary.update(mlflow_experiment_id=exp, mlflow_ui_url=ui_url(uri, exp, run_id),

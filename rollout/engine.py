@@ -203,7 +203,7 @@ class RolloutWorker:
             raise ValueError(f"cfg must be a configs.schema.Config, got {type(cfg).__name__}")
         self.model_dir = Path(model_dir)
         self.cfg = cfg
-        self.vllm = vc = cfg.policy.generation.vllm_cfg
+        self.vllm = cfg.policy.generation.vllm_cfg
         self.fp8 = cfg.rollout_fp8_spec()  # None: BF16 linears
         # KV scales carry the policy step they were computed from; a refit refuses scales more than this many steps
         # older than the weights it loads (recalibrated every calibration.kv_scales_period steps)
@@ -226,43 +226,18 @@ class RolloutWorker:
             layers = set(self.fp8.layer_indices(self.num_layers))
             self.fp8_weight_names = {n for n in self.master_names if (m := _PROJ_WEIGHT.match(n))
                                      and int(m.group(1)) in layers}
-        from fp8core.cpu import apply_cpu_cap, cpu_caps
-
-        apply_cpu_cap()  # before vLLM is imported in this process (FP8GRPO_CPU_CAP; no-op without it)
-        self.cpu = cpu_caps()
-        on_gpu = torch.cuda.is_available()
-        from fp8core.bf16 import resolve_bf16_mode
-
-        self.bf16_mode = resolve_bf16_mode(vc.bf16_mode, device=torch.device("cuda" if on_gpu else "cpu"),
-                                           native_bf16=self.cpu.native_bf16) if self.fp8 is None else "off"
-        self.is_moe = int(self.model_cfg.get("num_experts") or self.model_cfg.get("num_local_experts") or 0) > 0
-        if self.is_moe and self.bf16_mode == "native":
-            # vLLM 0.32's own CPU MoE does not survive reload_weights (rollout/vllm_bf16.py): our experts method
-            self.bf16_mode = "emulated"
-        self.kv_mode, self.kv_mode_reason = resolve_kv_mode(self.model_cfg, vc.kv_cache_dtype, vc.kv_cache_impl,
-                                                            caps=self.cpu, on_gpu=on_gpu)
-        if vc.kv_cache_dtype == "fp8":
-            print(f"RolloutWorker: FP8 KV cache {self.kv_mode} ({self.kv_mode_reason})", flush=True)
-        self.bytes_per_token = kv_bytes_per_token(self.model_cfg, "fp8" if self.kv_mode == "fp8-native" else "auto")
-        key = "policy.generation.vllm_cfg.kv_cache_memory_bytes"
-        if vc.kv_cache_memory_bytes is None and not on_gpu:
-            raise ValueError(f"{key} is required on CPU (vLLM would reserve most of the RAM)")
-        if vc.kv_cache_memory_bytes is not None:
-            need_tokens = math.ceil(vc.max_model_len / CPU_KV_BLOCK_SIZE) * CPU_KV_BLOCK_SIZE
-            need = need_tokens * self.bytes_per_token
-            if vc.kv_cache_memory_bytes < need:
-                raise ValueError(
-                    f"{key}={vc.kv_cache_memory_bytes} is too small for one sequence of "
-                    f"max_model_len={vc.max_model_len} tokens: need >= {need} bytes "
-                    f"({self.bytes_per_token} bytes/token with kv_cache_dtype={vc.kv_cache_dtype!r}, "
-                    f"{self.kv_mode})")
+        self._resolve_modes()
+        self._check_kv_budget()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        apply_env(self.run_dir)  # the run environment (cluster.runtime: one place); existing values win
+        apply_env(self.run_dir)  # the run environment (cluster.env: one place); existing values win
         self._kv_scales: dict[str, list[float]] | None = None
         self._last_stats = {"tokens_per_s": None, "generated_tokens": 0, "wall_s": None}
         self._last_refit_s: float | None = None
         self._weights_version: int | None = None  # the policy step of the loaded weights (None: model_dir's)
-        self._fault_kill = False  # TEST-ONLY (cluster/faults.py): SIGKILL this process at the end of the next generate
+        # TEST-ONLY hooks (cluster/faults.py): None unless the recipe sets testing.* keys
+        from cluster.faults import TestHooks
+
+        self.hooks = TestHooks.from_config(cfg, self.run_dir)
         t0 = time.perf_counter()
         self.llm = self._start_engine()
         self.start_s = time.perf_counter() - t0
@@ -276,6 +251,43 @@ class RolloutWorker:
             if hooked != self.num_layers:
                 raise RuntimeError(f"FP8 KV emulation hooked {hooked} attention layers, the model has "
                                    f"{self.num_layers}")
+
+    def _resolve_modes(self) -> None:
+        """This process's CPU (after ``FP8GRPO_CPU_CAP``, applied here before vLLM is imported), the BF16 mode of the
+        linears and how the KV cache is realised (``resolve_kv_mode``)."""
+        from fp8core.bf16 import resolve_bf16_mode
+        from fp8core.cpu import apply_cpu_cap, cpu_caps
+
+        vc = self.vllm
+        apply_cpu_cap()  # before vLLM is imported in this process (FP8GRPO_CPU_CAP; no-op without it)
+        self.cpu = cpu_caps()
+        self.on_gpu = torch.cuda.is_available()
+        self.bf16_mode = resolve_bf16_mode(vc.bf16_mode, device=torch.device("cuda" if self.on_gpu else "cpu"),
+                                           native_bf16=self.cpu.native_bf16) if self.fp8 is None else "off"
+        self.is_moe = int(self.model_cfg.get("num_experts") or self.model_cfg.get("num_local_experts") or 0) > 0
+        if self.is_moe and self.bf16_mode == "native":
+            # vLLM 0.32's own CPU MoE does not survive reload_weights (rollout/vllm_bf16.py): our experts method
+            self.bf16_mode = "emulated"
+        self.kv_mode, self.kv_mode_reason = resolve_kv_mode(self.model_cfg, vc.kv_cache_dtype, vc.kv_cache_impl,
+                                                            caps=self.cpu, on_gpu=self.on_gpu)
+        if vc.kv_cache_dtype == "fp8":
+            print(f"RolloutWorker: FP8 KV cache {self.kv_mode} ({self.kv_mode_reason})", flush=True)
+        self.bytes_per_token = kv_bytes_per_token(self.model_cfg, "fp8" if self.kv_mode == "fp8-native" else "auto")
+
+    def _check_kv_budget(self) -> None:
+        """The KV budget must hold one ``max_model_len`` sequence (on CPU it must be given at all)."""
+        vc, key = self.vllm, "policy.generation.vllm_cfg.kv_cache_memory_bytes"
+        if vc.kv_cache_memory_bytes is None and not self.on_gpu:
+            raise ValueError(f"{key} is required on CPU (vLLM would reserve most of the RAM)")
+        if vc.kv_cache_memory_bytes is not None:
+            need_tokens = math.ceil(vc.max_model_len / CPU_KV_BLOCK_SIZE) * CPU_KV_BLOCK_SIZE
+            need = need_tokens * self.bytes_per_token
+            if vc.kv_cache_memory_bytes < need:
+                raise ValueError(
+                    f"{key}={vc.kv_cache_memory_bytes} is too small for one sequence of "
+                    f"max_model_len={vc.max_model_len} tokens: need >= {need} bytes "
+                    f"({self.bytes_per_token} bytes/token with kv_cache_dtype={vc.kv_cache_dtype!r}, "
+                    f"{self.kv_mode})")
 
     # ------------------------------------------------------------------ engine
     def _engine_kwargs(self) -> dict:
@@ -386,10 +398,8 @@ class RolloutWorker:
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         wall = time.perf_counter() - t0
-        if self._fault_kill:  # TEST-ONLY: die mid-rollout (generated, not yet returned)
-            from cluster.faults import kill_self
-
-            kill_self()
+        if self.hooks is not None:  # TEST-ONLY: die mid-rollout (generated, not yet returned)
+            self.hooks.kill_point()
         results, n_gen = [], 0
         for i, out in enumerate(outs):
             samples = []
@@ -409,11 +419,6 @@ class RolloutWorker:
                     smp["routed_experts"] = self.routed_experts(r["prompt_token_ids"] + smp["token_ids"])
             self._last_stats["routing_s"] = time.perf_counter() - t1
         return results
-
-    def arm_fault_kill(self) -> None:
-        """TEST-ONLY (``testing.fault_kill_rollout_at_step``): the next ``generate`` SIGKILLs this process after
-        generating, before returning (cluster/faults.py)."""
-        self._fault_kill = True
 
     def routed_experts(self, token_ids: list[int]) -> torch.Tensor:
         """The experts this engine routes each token of ``token_ids`` to: int16 ``[T, num_moe_layers, top_k]``.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from cluster.faults import TestHooks
+
 
 @dataclass(frozen=True)
 class GenParams:
@@ -18,15 +20,13 @@ class GenParams:
 @dataclass(frozen=True)
 class EvalParams:
     """Validation beyond greedy accuracy (``evaluation.*``): ``n`` samples per prompt at the rollout temperature for
-    pass@k / avg@k (0 = off) on the first ``max_prompts`` prompts of each set; ``fault_drop`` is the TEST-ONLY
-    ``testing.fault_val_accuracy_drop``."""
+    pass@k / avg@k (0 = off) on the first ``max_prompts`` prompts of each set."""
 
     n: int
     ks: tuple[int, ...]
     max_prompts: int
     n_boot: int
     sets: tuple[str, ...] = ("main",)  # the sets that get sampled evaluation
-    fault_drop: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -34,16 +34,6 @@ class CheckpointTarget:
     uri: str | None  # None: checkpointing off
     keep_last_k: int | None
     endpoint_url: str | None
-
-
-@dataclass(frozen=True)
-class Faults:
-    """TEST-ONLY worker kills (``testing.fault_kill_*_at_step``; 0 = off); ``marker_dir``: where a kill leaves its
-    once-only marker (the run dir), so a retried step or a resumed run does not kill again."""
-
-    kill_rollout_step: int = 0
-    kill_policy_step: int = 0
-    marker_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,7 +55,7 @@ class RunContext:
     eval: EvalParams = EvalParams(n=0, ks=(), max_prompts=0, n_boot=2000)
     policy_ranks: tuple[str, ...] = ()  # every data-parallel trainer, rank 0 (``policy``) first; () = just ``policy``
     rollout_max_restarts: int = 0  # cluster.rollout_max_restarts: steps broken by a dead engine are redone this often
-    faults: Faults = Faults()
+    hooks: TestHooks | None = None  # TEST-ONLY faults (cluster/faults.py): None unless testing.* keys are set
 
     @property
     def trainers(self) -> tuple[str, ...]:
@@ -88,7 +78,6 @@ class RunContext:
                                                endpoint_url=ck.s3_endpoint_url),
                    rollout_fp8_spec=None if spec is None else asdict(spec),
                    eval=EvalParams(n=ev.num_samples, ks=tuple(ev.pass_k), max_prompts=ev.sampled_max_prompts,
-                                   n_boot=ev.bootstrap_samples, sets=tuple(ev.sampled_sets), fault_drop=cfg.testing.fault_val_accuracy_drop),
+                                   n_boot=ev.bootstrap_samples, sets=tuple(ev.sampled_sets)),
                    rollout_max_restarts=cfg.cluster.rollout_max_restarts,
-                   faults=Faults(kill_rollout_step=cfg.testing.fault_kill_rollout_at_step,
-                                 kill_policy_step=cfg.testing.fault_kill_policy_at_step, marker_dir=str(run_dir)))
+                   hooks=TestHooks.from_config(cfg, run_dir))

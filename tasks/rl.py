@@ -11,7 +11,7 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from cluster.faults import claim_once
+from cluster.faults import arm_kill
 from cluster.runtime import actor, await_actors, dead_actors, policy_call, policy_refs, split_groups
 from embedded.verifiers import verify
 from tasks.context import RunContext
@@ -36,10 +36,9 @@ def prompts_for(model_dir: str, rows: list[dict]) -> list[str]:
     return [chat_prompt(tok, r["question"]) for r in rows]
 
 
-def _fault_due(ctx: RunContext, at: int, step: int, what: str) -> bool:
-    """TEST-ONLY: a ``testing.fault_kill_*_at_step`` kill is due now (``at`` >= 1 is this step; 0 = off, also for the
-    step-0 rollout of the initial KV calibration) and not done before in this run dir."""
-    return at >= 1 and at == step and claim_once(ctx.faults.marker_dir, what, step)
+def _fault_due(ctx: RunContext, what: str, step: int) -> bool:
+    """TEST-ONLY: a ``testing.fault_kill_*_at_step`` kill (``kill_rollout`` / ``kill_policy``) is due now."""
+    return ctx.hooks is not None and ctx.hooks.kill_due(what, step)
 
 
 @task(name="refit", **TASK, retries=1, retry_delay_seconds=2)
@@ -76,8 +75,8 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     seed = ctx.seed * 1_000_003 + step * 9973  # prompt i gets seed + i * n on whichever engine runs it
     ranges = split_groups(len(prompts), len(ctx.rollouts))
     engines = [actor(name) for name in ctx.rollouts[:len(ranges)]]
-    if _fault_due(ctx, ctx.faults.kill_rollout_step, step, "kill_rollout"):
-        ray.get(engines[0].arm_fault_kill.remote())  # TEST-ONLY: engine 0 dies mid-rollout (cluster/faults.py)
+    if _fault_due(ctx, "kill_rollout", step):
+        ray.get(engines[0].__ray_call__.remote(arm_kill))  # TEST-ONLY: engine 0 dies mid-rollout (cluster/faults.py)
     parts = [e.generate.remote(prompts[a:b], n=g.n, max_tokens=g.max_tokens, temperature=g.temperature,
                                top_p=g.top_p, seed=seed + a * g.n, weights_version=weights_version,
                                routing=True)  # MoE engines attach each token's experts (replay, moe/* metrics)
@@ -118,8 +117,8 @@ def reward(ref: ray.ObjectRef, rows: list[dict]) -> tuple[list[float], dict]:
 def train(ctx: RunContext, ref: ray.ObjectRef, rewards: list[float], step: int) -> dict:
     """One GRPO step on the policy actor (loss, IS correction, clipping; Calibrated Clipping on its K-th steps)."""
     t0 = time.perf_counter()
-    if _fault_due(ctx, ctx.faults.kill_policy_step, step, "kill_policy"):
-        ray.get(actor(ctx.trainers[-1]).arm_fault_kill.remote())  # TEST-ONLY: the last rank dies mid-step
+    if _fault_due(ctx, "kill_policy", step):
+        ray.get(actor(ctx.trainers[-1]).__ray_call__.remote(arm_kill))  # TEST-ONLY: the last rank dies mid-step
     m = policy_call(ctx.trainers, "train_step", ref, rewards, step=step)
     m["time/train_s"] = time.perf_counter() - t0
     log_metrics(ctx.tracking_uri, ctx.run_id, m, step)
@@ -171,14 +170,6 @@ def _generate_rows(ctx: RunContext, rows: list[dict], *, n: int, temperature: fl
     return [o for part in ray.get(refs) for o in part]
 
 
-def _fault(correct: list[bool], drop: float, seed: int) -> set[int]:
-    """TEST-ONLY (testing.fault_val_accuracy_drop): indices of round(drop * len) correct answers to turn wrong."""
-    import random
-
-    right = [i for i, c in enumerate(correct) if c]
-    return set(random.Random(seed).sample(right, min(len(right), round(drop * len(correct)))))
-
-
 def _set_metrics(prefix: str, records: list[dict], ev, *, sampled: bool) -> dict:
     """Greedy accuracy (Wilson 95% CI), format-valid, length; with sampled results pass@k / avg@k (unbiased, bootstrap
     95% CI over prompts) -- metric names ``{prefix}accuracy``, ``{prefix}accuracy_lo`` / ``_hi``, ``{prefix}pass_at_k``."""
@@ -224,7 +215,7 @@ def validate(ctx: RunContext, sets: dict[str, list[dict]], step: int, *, kv_scal
         outs = _generate_rows(ctx, rows, n=1, temperature=VAL_TEMPERATURE, top_p=1.0, seed0=0)
         texts = [o["samples"][0]["text"] for o in outs]
         checks = [_verify(r, t) for t, r in zip(texts, rows, strict=True)]
-        faulty = _fault([c for _, c in checks], ev.fault_drop, ctx.seed * 7919 + step) if ev.fault_drop else set()
+        faulty = ctx.hooks.degraded([c for _, c in checks], ctx.seed * 7919 + step) if ctx.hooks else set()
         recs = [{"id": r.get("id", i), "question": r["question"], "answer": r["answer"], "response": t,
                  "format_valid": bool(f), "correct": bool(c) and i not in faulty,
                  "response_tokens": len(o["samples"][0]["token_ids"]), **({"fault": True} if i in faulty else {})}

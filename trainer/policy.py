@@ -49,6 +49,7 @@ import math
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -118,6 +119,40 @@ def leave_one_out_advantages(rewards: torch.Tensor, *, group_size: int) -> torch
     return (g - loo).reshape(-1).to(rewards.dtype)
 
 
+@dataclass
+class _StepState:
+    """What one ``train_step`` carries from phase to phase (rows are indices into ``b``)."""
+
+    step: int
+    b: Batch
+    r: torch.Tensor  # rewards, one per row
+    keep: torch.Tensor  # rows in the loss (DAPO dynamic sampling filters whole groups)
+    trained: torch.Tensor  # the kept rows, shuffled
+    update_rows: list[torch.Tensor]  # rows of each optimizer update
+    first: torch.Tensor  # rows whose old logprobs the first update's forwards provide
+    later: torch.Tensor  # rows with a separate no-grad old-logprob pass
+    old_logp: torch.Tensor  # [B, L] the policy before the first update
+    ent: torch.Tensor  # [B, L] its entropies (FP64)
+    known: torch.Tensor  # rows whose old_logp is filled in
+    adv: torch.Tensor | None = None
+    is_w: torch.Tensor | None = None  # [B, L] IS weights (loss_fn.use_importance_sampling_correction)
+    is_kw: dict = field(default_factory=dict)
+    ref_logp: torch.Tensor | None = None  # pi_old of the ratio
+    clip_low: float = 0.0
+    clip_high: float = 0.0
+    calibrate: bool = False  # a Calibrated Clipping step
+    old_bf16: torch.Tensor | None = None  # the BF16 shadow's old logprobs on such a step
+    sums: dict = field(default_factory=dict)  # loss terms summed over micro-batches
+    clip_parts: list = field(default_factory=list)  # (update, clip metrics, advantages, mask) per micro-batch
+    n_mb: int = 0
+    n_gb: int = 0
+    grad_norms: list = field(default_factory=list)
+    updates: int = 0
+    t_old: float = 0.0
+    t_cal: float = 0.0
+    t_opt: float = 0.0
+
+
 class PolicyWorker:
     """See the module docstring. ``model_dir``: HF model (safetensors + config + tokenizer)."""
 
@@ -183,13 +218,10 @@ class PolicyWorker:
             ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"))
         self.skipped_updates = 0
         self.step = 0  # RL steps completed
-        self._fault_kill = False  # TEST-ONLY (cluster/faults.py): SIGKILL this process at the start of the next train_step
-        # set True to keep the full gradients of each update of a step (before clipping) in recorded_updates (the
-        # first in recorded_gradients):
-        # the data-parallel equivalence tests compare them between 1 and M workers
-        self.record_gradients = False
-        self.recorded_gradients: dict[str, torch.Tensor] = {}
-        self.recorded_updates: list[dict[str, torch.Tensor]] = []
+        # TEST-ONLY hooks (cluster/faults.py): None unless the recipe sets testing.* keys or a test installs them
+        from cluster.faults import TestHooks
+
+        self.hooks = TestHooks.from_config(cfg, self.run_dir)
 
     # ------------------------------------------------------------------------------------------------ basic info
     def info(self) -> dict:
@@ -198,11 +230,6 @@ class PolicyWorker:
                 "bf16_mode": self.bf16_mode if self.cfg.policy.precision == "bfloat16" else "off",
                 "clip_bounds": [self.clip_low, self.clip_high], "step": self.step,
                 "num_layers": self.model.config.num_hidden_layers, "dp_rank": self.dp.rank, "dp_world": self.dp.world}
-
-    def arm_fault_kill(self) -> None:
-        """TEST-ONLY (``testing.fault_kill_policy_at_step``): the next ``train_step`` SIGKILLs this process at its
-        start (cluster/faults.py)."""
-        self._fault_kill = True
 
     def bounds(self) -> tuple[float, float]:
         if self.cc is not None:
@@ -406,22 +433,51 @@ class PolicyWorker:
 
     def train_step(self, rollouts: Sequence[Mapping], rewards: Sequence[float], *, step: int) -> dict[str, float]:
         """One GRPO step on ``rollouts`` (RolloutWorker.generate output) with ``rewards`` (one per sample, prompt-major).
-        Returns metrics (python floats, stable names)."""
-        from fp8core.rl import clipped_pg_loss, importance_weights, mismatch_metrics, response_length_metrics
-        if self._fault_kill:  # TEST-ONLY: a trainer lost mid-step
-            from cluster.faults import kill_self
-
-            kill_self()
-        cfg, lf = self.cfg, self.cfg.loss_fn
+        Returns metrics (python floats, stable names). The phases (module docstring, items 1-5) are the methods
+        below, in this order."""
+        if self.hooks is not None:  # TEST-ONLY: a trainer lost mid-step
+            self.hooks.kill_point()
         t0 = time.perf_counter()
+        st = self._plan_step(rollouts, rewards, step)
+        st.t_old = time.perf_counter() - t0
+        self._prepare_loss(st)
+        self.model.train()
+        for u, gidx in enumerate(st.update_rows):
+            finite = self._accumulate_update(st, u, gidx)
+            if u == 0:
+                self._complete_old_logprobs(st)
+            self._optimizer_step(st, u, finite)
+            self._moe_measure = False
+        lr_used = float(self.optimizer.param_groups[0]["lr"])  # the LR this step's updates used (before the advance)
+        self.scheduler.step()
+        self._moe_measure = False
+        self._gather_rank_parts(st)
+        m = self._step_metrics(st, lr_used)
+        if st.calibrate:
+            self._calibrate_clip(st, m)
+        lo, hi = self.bounds()
+        m["clip/bound_low"], m["clip/bound_high"] = float(lo), float(hi)
+        wall = time.perf_counter() - t0
+        ntok = float(st.b.attn.sum())
+        m["time/train_logprob_s"] = st.t_old
+        m["time/clip_calibration_s"] = st.t_cal
+        m["time/train_optimizer_s"] = st.t_opt  # gradient clipping + AdamW steps
+        m["time/policy_train_s"] = wall
+        m["throughput/train_tokens_per_s"] = ntok / max(wall - st.t_cal, 1e-9)
+        m["train/tokens"] = ntok
+        self.step = step
+        return m
+
+    def _plan_step(self, rollouts: Sequence[Mapping], rewards: Sequence[float], step: int) -> _StepState:
+        """The step's batch and rewards, the rows of each optimizer update (DAPO filtering), and the old logprobs
+        (+ entropies) of the rows the first update's forwards will not provide (item 1 of the module docstring)."""
+        cfg = self.cfg
         b = Batch.from_rollouts(rollouts, pad_id=self.tokenizer.pad_token_id)
         r = torch.tensor(list(rewards), dtype=torch.float32)
         if r.numel() != len(b):
             raise ValueError(f"train_step: {r.numel()} rewards for {len(b)} samples")
-        m: dict[str, float] = {}
         if self.moe_layers:  # moe/* metrics from the forwards on the weights the engine ran (before the first update)
             self._start_moe_measure()
-        gbs, mbs = cfg.policy.train_global_batch_size, cfg.policy.train_micro_batch_size
         perm = torch.randperm(len(b), generator=torch.Generator().manual_seed(cfg.grpo.seed * 100003 + step))
         keep = torch.ones(len(b), dtype=torch.bool)
         if cfg.grpo.dynamic_sampling:  # DAPO: identical-reward groups leave the loss (module docstring, item 4)
@@ -429,7 +485,7 @@ class PolicyWorker:
 
             keep = dynamic_sampling_mask(r, group_size=b.group_size, per_sample=True)
         trained = perm[keep[perm]]
-        n_upd = -(-len(trained) // gbs)
+        n_upd = -(-len(trained) // cfg.policy.train_global_batch_size)
         update_rows = list(torch.tensor_split(trained, n_upd)) if n_upd else []
         # Old logprobs = the policy before this step's first update. The first update's own training forwards run
         # exactly those weights, so its rows take old_logp (and entropy) from them (detached) and only the other
@@ -439,172 +495,188 @@ class PolicyWorker:
         in_first = torch.zeros(len(b), dtype=torch.bool)
         in_first[first] = True
         later = perm[~in_first[perm]]
-        old_logp = torch.zeros(len(b), b.width)
-        ent = torch.zeros(len(b), b.width, dtype=torch.float64)  # fp8core.rl.metrics.token_entropy's dtype
-        known = torch.zeros(len(b), dtype=torch.bool)
+        st = _StepState(step=step, b=b, r=r, keep=keep, trained=trained, update_rows=update_rows, first=first,
+                        later=later, old_logp=torch.zeros(len(b), b.width),
+                        ent=torch.zeros(len(b), b.width, dtype=torch.float64),  # token_entropy's dtype
+                        known=torch.zeros(len(b), dtype=torch.bool))
         if len(later):
-            old_logp[later], ent[later] = self.logprobs(b, want_entropy=True, rows=later)
-            known[later] = True
-        t_old = time.perf_counter() - t0
-        adv = self.advantages(r, b.group_size)
-        is_w = None
-        use_is = lf.use_importance_sampling_correction
-        is_kw = dict(kind=lf.importance_sampling, cap=lf.is_truncation, low=lf.is_mask_low, high=lf.is_mask_high)
-        if use_is:  # per-row weights (tested): the later rows now, the first update's rows in its loop
-            is_w = torch.zeros(len(b), b.width)
-            if len(later):
-                is_w[later] = importance_weights(old_logp[later], b.rollout_logp[later], b.mask[later], **is_kw)[0]
-        calibrate = self.cc is not None and self.cc.should_calibrate(step)
-        t_cal = 0.0
-        if calibrate:
-            tc = time.perf_counter()
-            old_bf16 = self._shadow_logprobs(b)
-            t_cal += time.perf_counter() - tc
+            st.old_logp[later], st.ent[later] = self.logprobs(b, want_entropy=True, rows=later)
+            st.known[later] = True
+        return st
 
+    def _prepare_loss(self, st: _StepState) -> None:
+        """Advantages (item 2), the later rows' IS weights (item 3), the BF16 shadow's old logprobs on a Calibrated
+        Clipping step (item 5), pi_old of the ratio and the clip bounds of this step."""
+        from fp8core.rl import importance_weights
+
+        lf, b, later = self.cfg.loss_fn, st.b, st.later
+        st.adv = self.advantages(st.r, b.group_size)
+        st.is_kw = dict(kind=lf.importance_sampling, cap=lf.is_truncation, low=lf.is_mask_low, high=lf.is_mask_high)
+        if lf.use_importance_sampling_correction:  # per-row weights (tested): the later rows now, the first
+            st.is_w = torch.zeros(len(b), b.width)  # update's rows in its loop
+            if len(later):
+                st.is_w[later] = importance_weights(st.old_logp[later], b.rollout_logp[later], b.mask[later],
+                                                    **st.is_kw)[0]
+        st.calibrate = self.cc is not None and self.cc.should_calibrate(st.step)
+        if st.calibrate:
+            tc = time.perf_counter()
+            st.old_bf16 = self._shadow_logprobs(b)
+            st.t_cal += time.perf_counter() - tc
         # pi_old of the ratio (loss_fn.old_logprobs): the trainer's logprobs before the first update (old_logp, filled
         # in by the first update's forwards) or the rollout engine's (the ratio then carries the mismatch)
-        ref_logp = b.rollout_logp if lf.old_logprobs == "rollout" else old_logp
-        clip_low, clip_high = self.bounds()
+        st.ref_logp = b.rollout_logp if lf.old_logprobs == "rollout" else st.old_logp
+        st.clip_low, st.clip_high = self.bounds()
+
+    def _accumulate_update(self, st: _StepState, u: int, gidx: torch.Tensor) -> bool:
+        """Forward + backward of update ``u``'s rows (this rank's share) in micro-batches, gradients accumulated
+        (data-parallel: reduced at the end); the first update's forwards also fill in the old logprobs, entropies
+        and IS weights of its rows. Returns False when a loss was not finite (on any rank)."""
+        from fp8core.rl import clipped_pg_loss, importance_weights
+
+        lf, b, adv = self.cfg.loss_fn, st.b, st.adv
+        mbs = self.cfg.policy.train_micro_batch_size
         agg = "token_mean" if lf.token_level_loss else "seq_mean_token_mean"
-        self.model.train()
-        sums: dict[str, float] = {}
-        clip_parts: list[tuple[int, dict, torch.Tensor, torch.Tensor]] = []  # (update, clip metrics, adv, mask)
-        n_mb, n_gb, grad_norms, updates, t_opt = 0, 0, [], 0, 0.0
-        for u, gidx in enumerate(update_rows):
-            gm = b.mask[gidx]
-            normalizer = float(gm.sum().clamp_min(1)) if lf.token_level_loss else float((gm.sum(1) > 0).sum())
-            self.optimizer.zero_grad(set_to_none=True)
-            n_gb += 1
-            finite = True
-            mine = self.dp.share(gidx)  # data-parallel: this rank's contiguous share (all rows without a group)
-            with local_accumulation(self.model, self.dp) as reduce_grads:
-                for m0 in range(0, len(mine), mbs):
-                    idx = mine[m0: m0 + mbs]
-                    mb = b.slice(idx).trimmed()
-                    w = mb.width
-                    fresh = u == 0 and len(first) > 0  # rows whose old logprobs this forward provides
-                    logp, e = self._token_logp(mb, want_entropy=fresh)
-                    if fresh:
-                        old_logp[idx] = _pad_cols(logp.detach().cpu(), b.width)
-                        ent[idx] = _pad_cols(e.cpu(), b.width)
-                        known[idx] = True
-                        if use_is:
-                            is_w[idx] = _pad_cols(importance_weights(old_logp[idx, :w], mb.rollout_logp, mb.mask,
-                                                                     **is_kw)[0], b.width)
-                    loss, lm = clipped_pg_loss(
-                        logp, ref_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
-                        clip_low=clip_low, clip_high=clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg,
-                        is_weights=None if is_w is None else is_w[idx, :w].to(logp.device), normalizer=normalizer)
-                    if not torch.isfinite(loss):
-                        finite = False
-                        break
-                    loss.backward()
-                    n_mb += 1
-                    clip_parts.append((u, lm, adv[idx], mb.mask))
-                    for k, v in lm.items():
-                        if not k.startswith("clip/"):
-                            sums[k] = sums.get(k, 0.0) + v
-                if self.dp.active:  # all ranks skip the update if any rank's loss was not finite
-                    finite = all_min(float(finite), self.dp) > 0
-                    one = b.slice(gidx[:1]).trimmed()
-                    reduce_grads(functools.partial(self._zero_loss, one))
-            if u == 0 and self.dp.active and len(first):  # each rank filled its own rows of the first update
-                for t in (old_logp, ent, is_w):
-                    if t is not None:
-                        part = t[first].clone()
-                        dp_sum(part, group=self.dp)
-                        t[first] = part
-                k = known[first].double()
-                dp_sum(k, group=self.dp)
-                known[first] = k > 0
-            if u == 0 and not bool(known.all()):  # a non-finite loss stopped the first update early: its
-                missing = (~known).nonzero().squeeze(1)  # weights are untouched (no step), so finish the pass
-                old_logp[missing], ent[missing] = self.logprobs(b, want_entropy=True, rows=missing)
-                if use_is:
-                    is_w[missing] = importance_weights(old_logp[missing], b.rollout_logp[missing], b.mask[missing],
-                                                       **is_kw)[0]
-                known[missing] = True
-                self.model.train()
-            if self.record_gradients:  # full gradients of every update, before clipping (tests)
-                grads = {n: full_tensor(q.grad).detach().cpu().clone()
-                         for n, q in self.model.named_parameters() if q.grad is not None}
-                self.recorded_updates = [*(self.recorded_updates if u else []), grads]
-                self.recorded_gradients = self.recorded_updates[0]
-            t_opt0 = time.perf_counter()
-            gn = clip_grad_norm(self.model.parameters(), cfg.policy.max_grad_norm, self.dp)
-            if finite and math.isfinite(gn):
-                self.optimizer.step()
-                updates += 1
-                grad_norms.append(gn)
-            else:
-                self.skipped_updates += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            t_opt += time.perf_counter() - t_opt0
-            self._moe_measure = False
-        lr_used = float(self.optimizer.param_groups[0]["lr"])  # the LR this step's updates used (before the advance)
-        self.scheduler.step()
-        self._moe_measure = False
-        if self.dp.active:  # every rank's micro-batches
-            parts = gather_objects((sums, n_mb, [(u, lm, a, mk) for u, lm, a, mk in clip_parts]), self.dp)
-            sums, n_mb, clip_parts = {}, sum(p[1] for p in parts), [c for p in parts for c in p[2]]
-            for part_sums, _, _ in parts:
-                for k, v in part_sums.items():
-                    sums[k] = sums.get(k, 0.0) + v
-            if self.moe_layers:  # every rank's routing counts
-                accs = gather_objects(self._moe_acc, self.dp)
-                self._moe_acc = {**accs[0], **{k: sum(a[k] for a in accs) for k in ("mismatch", "tokens", "counts")}}
+        gm = b.mask[gidx]
+        normalizer = float(gm.sum().clamp_min(1)) if lf.token_level_loss else float((gm.sum(1) > 0).sum())
+        self.optimizer.zero_grad(set_to_none=True)
+        st.n_gb += 1
+        finite = True
+        mine = self.dp.share(gidx)  # data-parallel: this rank's contiguous share (all rows without a group)
+        with local_accumulation(self.model, self.dp) as reduce_grads:
+            for m0 in range(0, len(mine), mbs):
+                idx = mine[m0: m0 + mbs]
+                mb = b.slice(idx).trimmed()
+                w = mb.width
+                fresh = u == 0 and len(st.first) > 0  # rows whose old logprobs this forward provides
+                logp, e = self._token_logp(mb, want_entropy=fresh)
+                if fresh:
+                    st.old_logp[idx] = _pad_cols(logp.detach().cpu(), b.width)
+                    st.ent[idx] = _pad_cols(e.cpu(), b.width)
+                    st.known[idx] = True
+                    if st.is_w is not None:
+                        st.is_w[idx] = _pad_cols(importance_weights(st.old_logp[idx, :w], mb.rollout_logp, mb.mask,
+                                                                    **st.is_kw)[0], b.width)
+                loss, lm = clipped_pg_loss(
+                    logp, st.ref_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
+                    clip_low=st.clip_low, clip_high=st.clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg,
+                    is_weights=None if st.is_w is None else st.is_w[idx, :w].to(logp.device), normalizer=normalizer)
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                st.n_mb += 1
+                st.clip_parts.append((u, lm, adv[idx], mb.mask))
+                for k, v in lm.items():
+                    if not k.startswith("clip/"):
+                        st.sums[k] = st.sums.get(k, 0.0) + v
+            if self.dp.active:  # all ranks skip the update if any rank's loss was not finite
+                finite = all_min(float(finite), self.dp) > 0
+                one = b.slice(gidx[:1]).trimmed()
+                reduce_grads(functools.partial(self._zero_loss, one))
+        return finite
+
+    def _complete_old_logprobs(self, st: _StepState) -> None:
+        """After the first update's forwards: data-parallel ranks share the rows each filled in; rows a non-finite
+        loss left out get a no-grad pass (the weights are untouched: that update takes no step)."""
+        from fp8core.rl import importance_weights
+
+        b, first = st.b, st.first
+        if self.dp.active and len(first):  # each rank filled its own rows of the first update
+            for t in (st.old_logp, st.ent, st.is_w):
+                if t is not None:
+                    part = t[first].clone()
+                    dp_sum(part, group=self.dp)
+                    t[first] = part
+            k = st.known[first].double()
+            dp_sum(k, group=self.dp)
+            st.known[first] = k > 0
+        if not bool(st.known.all()):  # a non-finite loss stopped the first update early: its
+            missing = (~st.known).nonzero().squeeze(1)  # weights are untouched (no step), so finish the pass
+            st.old_logp[missing], st.ent[missing] = self.logprobs(b, want_entropy=True, rows=missing)
+            if st.is_w is not None:
+                st.is_w[missing] = importance_weights(st.old_logp[missing], b.rollout_logp[missing], b.mask[missing],
+                                                      **st.is_kw)[0]
+            st.known[missing] = True
+            self.model.train()
+
+    def _optimizer_step(self, st: _StepState, u: int, finite: bool) -> None:
+        """Clip the gradient norm and step AdamW, or skip a non-finite update (``train/skipped_updates``)."""
+        if self.hooks is not None:  # TEST-ONLY: full gradients of every update, before clipping
+            self.hooks.on_gradients(u, lambda: {n: full_tensor(q.grad).detach().cpu().clone()
+                                                for n, q in self.model.named_parameters() if q.grad is not None})
+        t_opt0 = time.perf_counter()
+        gn = clip_grad_norm(self.model.parameters(), self.cfg.policy.max_grad_norm, self.dp)
+        if finite and math.isfinite(gn):
+            self.optimizer.step()
+            st.updates += 1
+            st.grad_norms.append(gn)
+        else:
+            self.skipped_updates += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        st.t_opt += time.perf_counter() - t_opt0
+
+    def _gather_rank_parts(self, st: _StepState) -> None:
+        """Data-parallel: every rank's micro-batch sums, clip parts and MoE routing counts, on every rank."""
+        if not self.dp.active:
+            return
+        parts = gather_objects((st.sums, st.n_mb, [(u, lm, a, mk) for u, lm, a, mk in st.clip_parts]), self.dp)
+        st.sums, st.n_mb, st.clip_parts = {}, sum(p[1] for p in parts), [c for p in parts for c in p[2]]
+        for part_sums, _, _ in parts:
+            for k, v in part_sums.items():
+                st.sums[k] = st.sums.get(k, 0.0) + v
+        if self.moe_layers:  # every rank's routing counts
+            accs = gather_objects(self._moe_acc, self.dp)
+            self._moe_acc = {**accs[0], **{k: sum(a[k] for a in accs) for k in ("mismatch", "tokens", "counts")}}
+
+    def _step_metrics(self, st: _StepState, lr_used: float) -> dict[str, float]:
+        """The step's metrics: mismatch, entropy, lengths, IS, loss terms, clip fractions, rewards, optimizer."""
+        from fp8core.rl import importance_weights, mismatch_metrics, pool_clip_metrics, response_length_metrics
+
+        b, r, clip_parts = st.b, st.r, st.clip_parts
+        m: dict[str, float] = {}
         if self.moe_layers:
             m.update(self._moe_metrics())
-        m.update(mismatch_metrics(old_logp, b.rollout_logp, b.mask))
-        m["policy/entropy"] = float((ent * b.mask).sum() / b.mask.sum().clamp_min(1))  # exact, sampled tokens
+        m.update(mismatch_metrics(st.old_logp, b.rollout_logp, b.mask))
+        m["policy/entropy"] = float((st.ent * b.mask).sum() / b.mask.sum().clamp_min(1))  # exact, sampled tokens
         m.update(response_length_metrics(b.mask))
-        if use_is:
-            m.update(importance_weights(old_logp, b.rollout_logp, b.mask, **is_kw)[1])
-        m["train/old_logprob_pass_samples"] = float(len(later))
-        for k, v in sums.items():  # micro-batch means; loss/total is normalized globally, so sum per global batch
-            m[k] = v / max(1, n_gb) if k == "loss/total" else v / max(1, n_mb)
-        from fp8core.rl import pool_clip_metrics
-
+        if st.is_w is not None:
+            m.update(importance_weights(st.old_logp, b.rollout_logp, b.mask, **st.is_kw)[1])
+        m["train/old_logprob_pass_samples"] = float(len(st.later))
+        for k, v in st.sums.items():  # micro-batch means; loss/total is normalized globally, so sum per global batch
+            m[k] = v / max(1, st.n_gb) if k == "loss/total" else v / max(1, st.n_mb)
         later_parts = [(lm, a, mk) for u, lm, a, mk in clip_parts if u > 0]
         m.update(pool_clip_metrics(later_parts or [(lm, a, mk) for _, lm, a, mk in clip_parts]))
         m["train/clip_metric_updates"] = float(len({u for u, *_ in clip_parts if u > 0}) or
                                                len({u for u, *_ in clip_parts}))
         m.update({k.replace("clip/", "clip_all_updates/"): v for k, v in
                   pool_clip_metrics([(lm, a, mk) for _, lm, a, mk in clip_parts]).items()})
-        m["train/dynamic_sampling_filtered_frac"] = float((~keep).float().mean())  # rows = groups (whole groups)
-        m["train/samples_in_loss"] = float(len(trained))
-        m["train/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        m["train/dynamic_sampling_filtered_frac"] = float((~st.keep).float().mean())  # rows = groups (whole groups)
+        m["train/samples_in_loss"] = float(len(st.trained))
+        m["train/grad_norm"] = sum(st.grad_norms) / len(st.grad_norms) if st.grad_norms else float("nan")
         m["train/lr"] = lr_used
-        m["train/optimizer_updates"] = float(updates)
+        m["train/optimizer_updates"] = float(st.updates)
         m["train/skipped_updates"] = float(self.skipped_updates)
         m["reward/mean"] = float(r.mean())
         m["reward/std"] = float(r.std()) if r.numel() > 1 else 0.0
         groups = r.reshape(-1, b.group_size)
         m["reward/frac_groups_all_same"] = float((groups.max(1).values == groups.min(1).values).float().mean())
-        m["advantage/abs_mean"] = float(adv.abs().mean())
-        if calibrate:
-            tc = time.perf_counter()
-            new_fp8 = self.logprobs(b)[0]
-            new_bf16 = self._shadow_logprobs(b)
-            # the BF16 reference ratio is the shadow's own new / old: with old_logprobs=rollout it stands for a BF16
-            # pipeline's pi_theta / pi_rollout, whose mismatch (~1.002) it leaves out
-            (lo, hi), diag = self.cc.calibrate(step, torch.exp((new_fp8 - ref_logp) * b.mask),
-                                               torch.exp((new_bf16 - old_bf16) * b.mask), adv, b.mask,
-                                               prob_fp8=torch.exp(new_fp8), prob_bf16=torch.exp(new_bf16))
-            m.update(diag)
-            t_cal += time.perf_counter() - tc
-        lo, hi = self.bounds()
-        m["clip/bound_low"], m["clip/bound_high"] = float(lo), float(hi)
-        wall = time.perf_counter() - t0
-        ntok = float(b.attn.sum())
-        m["time/train_logprob_s"] = t_old
-        m["time/clip_calibration_s"] = t_cal
-        m["time/train_optimizer_s"] = t_opt  # gradient clipping + AdamW steps
-        m["time/policy_train_s"] = wall
-        m["throughput/train_tokens_per_s"] = ntok / max(wall - t_cal, 1e-9)
-        m["train/tokens"] = ntok
-        self.step = step
+        m["advantage/abs_mean"] = float(st.adv.abs().mean())
         return m
+
+    def _calibrate_clip(self, st: _StepState, m: dict[str, float]) -> None:
+        """Calibrated Clipping (item 5): FP8 and BF16-shadow logprobs of the updated policy on the same tokens move
+        the clip bounds later steps use; adds its diagnostics to ``m``."""
+        b = st.b
+        tc = time.perf_counter()
+        new_fp8 = self.logprobs(b)[0]
+        new_bf16 = self._shadow_logprobs(b)
+        # the BF16 reference ratio is the shadow's own new / old: with old_logprobs=rollout it stands for a BF16
+        # pipeline's pi_theta / pi_rollout, whose mismatch (~1.002) it leaves out
+        (lo, hi), diag = self.cc.calibrate(st.step, torch.exp((new_fp8 - st.ref_logp) * b.mask),
+                                           torch.exp((new_bf16 - st.old_bf16) * b.mask), st.adv, b.mask,
+                                           prob_fp8=torch.exp(new_fp8), prob_bf16=torch.exp(new_bf16))
+        m.update(diag)
+        st.t_cal += time.perf_counter() - tc
 
     # ------------------------------------------------------------------------------------------------ KV calibration
     @torch.no_grad()

@@ -112,11 +112,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _grads_and_metrics(names, rollouts, step=1):
+    from cluster.faults import TestHooks
     from cluster.runtime import policy_call
 
-    policy_call(names, "__ray_call__", lambda self: setattr(self, "record_gradients", True))
+    policy_call(names, "__ray_call__", lambda self: setattr(self, "hooks", TestHooks(record_gradients=True)))
     m = policy_call(names, "train_step", rollouts, REWARDS, step=step)
-    grads = policy_call(names, "__ray_call__", lambda self: self.recorded_gradients)
+    grads = policy_call(names, "__ray_call__", lambda self: self.hooks.recorded_gradients)
     return grads, m
 
 
@@ -124,7 +125,7 @@ def _updates(names):
     """The full gradients of every optimizer update of the last train_step (before clipping)."""
     from cluster.runtime import policy_call
 
-    return policy_call(names, "__ray_call__", lambda self: self.recorded_updates)
+    return policy_call(names, "__ray_call__", lambda self: self.hooks.recorded_updates)
 
 
 def _norm(grads: dict) -> float:
