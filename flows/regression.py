@@ -102,35 +102,16 @@ def regression(bf16_recipe: str = "configs/tiny_bf16.yaml", fp8_recipe: str = "c
                experiment_name: str = "fp8-grpo-regression", tracking_uri: str | None = None,
                run_dir: str = "runs/regression", seeds: list[int] | None = None,
                fp8_overrides: list[str] | None = None) -> dict:
-    from flows.grpo import grpo
     from fp8core.cpu import cpu_caps
-    from tasks.regression import (
-        DEFAULT_SEEDS,
-        accuracy_plan,
-        comparison_plot,
-        create_parent_run,
-        link_child,
-        log_verdict,
-        paired_drop,
-        throughput_threshold,
-        verdict,
-        verdict_markdown,
-    )
-    from tasks.tracking import client, ui_url
+    from tasks.regression import DEFAULT_SEEDS, comparison_plot, create_parent_run
+    from tasks.tracking import client
 
     overrides, fp8_overrides = list(overrides or []), list(fp8_overrides or [])
     seeds = list(range(DEFAULT_SEEDS)) if seeds is None else [int(s) for s in seeds]
     _check_thresholds(max_accuracy_drop, max_token_mult_prob_error, min_throughput_ratio, seeds)
     cfg_b, cfg_f = _same_seed_and_steps(bf16_recipe, fp8_recipe, overrides, fp8_overrides)
-    plan = accuracy_plan(len(seeds))
-    if max_accuracy_drop is None:
-        max_accuracy_drop = plan["threshold"]
-    else:  # a caller's threshold: report its power and false-fail rate under the same noise model
-        from statistics import NormalDist
-
-        nd, se = NormalDist(), plan["se"]
-        plan.update(threshold=max_accuracy_drop, power=1 - nd.cdf((max_accuracy_drop - plan["effect"]) / se),
-                    false_fail=1 - nd.cdf(max_accuracy_drop / se))
+    plan = _accuracy_plan(len(seeds), max_accuracy_drop)
+    max_accuracy_drop = plan["threshold"]  # the powered default, or the caller's
     root = Path(run_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}"
@@ -148,42 +129,17 @@ def regression(bf16_recipe: str = "configs/tiny_bf16.yaml", fp8_recipe: str = "c
                 "grpo.max_num_steps": cfg_b.grpo.max_num_steps},
         tags={"kind": "regression", "bf16_recipe": cfg_b.recipe, "fp8_recipe": cfg_f.recipe,
               "precision": f"{cfg_b.precision_tag} vs {cfg_f.precision_tag}"})
-    exp_id = client(uri).get_run(parent).info.experiment_id
-    print(f"regression: parent MLflow run {parent} ({name}) at {uri}: {ui_url(uri, exp_id, parent)}", flush=True)
-    print(f"regression: {len(seeds)} seeds {seeds}: fail when the paired accuracy drop BF16 - FP8 exceeds "
-          f"{max_accuracy_drop:.4f}; a real {plan['effect']:.2f} drop fails with probability {plan['power']:.0%}, a "
-          f"correct FP8 run fails {plan['false_fail']:.1%} of the time (noise SD per seed "
-          f"{plan['noise_sd_per_seed']}, tasks/regression.py)", flush=True)
+    _say_parent_and_plan(uri, parent, name, seeds, max_accuracy_drop, plan)
     out_dir = root / f"{stamp}-{parent[:8]}"
-    runs: dict[str, list[dict]] = {"bf16": [], "fp8": []}
-    children, status = {}, "FAILED"
+    status = "FAILED"
     try:
-        for seed in seeds:
-            for role, recipe in (("bf16", bf16_recipe), ("fp8", fp8_recipe)):
-                tag = role if len(seeds) == 1 else f"{role}-s{seed}"
-                run_name = f"{name}-{tag}"
-                child_overrides = [*CHILD_EVAL, *overrides, *(fp8_overrides if role == "fp8" else []),
-                                   f"grpo.seed={seed}", f"run_dir={out_dir / tag}", "checkpointing.resume=false",
-                                   "logger.mlflow_enabled=true", f"logger.mlflow.experiment_name={experiment_name}",
-                                   f"logger.mlflow.tracking_uri={uri}", f"logger.mlflow.run_name={run_name}"]
-                try:
-                    runs[role].append(grpo(recipe, child_overrides))
-                finally:
-                    run_id = link_child(uri, parent, experiment_name, run_name, role, seed)
-                    if run_id:
-                        children[tag] = run_id
+        runs, children = _train_children(uri=uri, parent=parent, name=name, experiment_name=experiment_name,
+                                         out_dir=out_dir, seeds=seeds, bf16_recipe=bf16_recipe,
+                                         fp8_recipe=fp8_recipe, overrides=overrides, fp8_overrides=fp8_overrides)
         plot = comparison_plot(uri, parent, children, str(out_dir))
-        summaries = {role: _mean_summary(rs) for role, rs in runs.items()}
-        kind = _cpu_kind(summaries)
-        paired = paired_drop(runs["bf16"], runs["fp8"])
-        v = verdict(summaries["bf16"], summaries["fp8"], max_accuracy_drop=max_accuracy_drop,
-                    max_token_mult_prob_error=max_token_mult_prob_error,
-                    min_throughput_ratio=throughput_threshold(kind, min_throughput_ratio), cpu_kind=kind,
-                    paired=paired, plan=plan)
-        md = verdict_markdown(v, parent_run_id=parent, children=children)
-        (out_dir / "verdict.md").write_text(md)
-        log_verdict(uri, parent, v, md, cfg_b.grpo.max_num_steps)
-        print(md, flush=True)
+        v = _verdict(uri=uri, parent=parent, children=children, runs=runs, out_dir=out_dir, plan=plan,
+                     max_accuracy_drop=max_accuracy_drop, max_token_mult_prob_error=max_token_mult_prob_error,
+                     min_throughput_ratio=min_throughput_ratio, steps=cfg_b.grpo.max_num_steps)
         status = "FINISHED" if v["passed"] else "FAILED"
     finally:
         client(uri).set_terminated(parent, status=status)
@@ -194,6 +150,83 @@ def regression(bf16_recipe: str = "configs/tiny_bf16.yaml", fp8_recipe: str = "c
                            if not c["passed"])
         raise RegressionFailed(f"FP8 vs BF16 regression failed: {failed}; MLflow parent run {parent} at {uri}")
     return result
+
+
+def _accuracy_plan(num_seeds: int, max_accuracy_drop: float | None) -> dict:
+    """The accuracy check's plan for ``num_seeds`` seed pairs (tasks/regression.py accuracy_plan) with its powered
+    threshold, or with the caller's ``max_accuracy_drop`` as the threshold and that threshold's power and
+    false-fail rate under the same noise model."""
+    from tasks.regression import accuracy_plan
+
+    plan = accuracy_plan(num_seeds)
+    if max_accuracy_drop is not None:  # a caller's threshold: report its power and false-fail rate
+        from statistics import NormalDist
+
+        nd, se = NormalDist(), plan["se"]
+        plan.update(threshold=max_accuracy_drop, power=1 - nd.cdf((max_accuracy_drop - plan["effect"]) / se),
+                    false_fail=1 - nd.cdf(max_accuracy_drop / se))
+    return plan
+
+
+def _say_parent_and_plan(uri: str, parent: str, name: str, seeds: list[int], max_accuracy_drop: float,
+                         plan: dict) -> None:
+    """Print where the parent MLflow run is and what the accuracy check can tell with these seeds."""
+    from tasks.tracking import client, ui_url
+
+    exp_id = client(uri).get_run(parent).info.experiment_id
+    print(f"regression: parent MLflow run {parent} ({name}) at {uri}: {ui_url(uri, exp_id, parent)}", flush=True)
+    print(f"regression: {len(seeds)} seeds {seeds}: fail when the paired accuracy drop BF16 - FP8 exceeds "
+          f"{max_accuracy_drop:.4f}; a real {plan['effect']:.2f} drop fails with probability {plan['power']:.0%}, a "
+          f"correct FP8 run fails {plan['false_fail']:.1%} of the time (noise SD per seed "
+          f"{plan['noise_sd_per_seed']}, tasks/regression.py)", flush=True)
+
+
+def _train_children(*, uri: str, parent: str, name: str, experiment_name: str, out_dir: Path, seeds: list[int],
+                    bf16_recipe: str, fp8_recipe: str, overrides: list[str],
+                    fp8_overrides: list[str]) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """For each seed, one ``fp8-grpo`` subflow per recipe (BF16, then FP8), each run linked to the parent as a child
+    run (also when it fails). Returns the runs' summaries by role and the child run ids by tag."""
+    from flows.grpo import grpo
+    from tasks.regression import link_child
+
+    runs: dict[str, list[dict]] = {"bf16": [], "fp8": []}
+    children: dict[str, str] = {}
+    for seed in seeds:
+        for role, recipe in (("bf16", bf16_recipe), ("fp8", fp8_recipe)):
+            tag = role if len(seeds) == 1 else f"{role}-s{seed}"
+            run_name = f"{name}-{tag}"
+            child_overrides = [*CHILD_EVAL, *overrides, *(fp8_overrides if role == "fp8" else []),
+                               f"grpo.seed={seed}", f"run_dir={out_dir / tag}", "checkpointing.resume=false",
+                               "logger.mlflow_enabled=true", f"logger.mlflow.experiment_name={experiment_name}",
+                               f"logger.mlflow.tracking_uri={uri}", f"logger.mlflow.run_name={run_name}"]
+            try:
+                runs[role].append(grpo(recipe, child_overrides))
+            finally:
+                run_id = link_child(uri, parent, experiment_name, run_name, role, seed)
+                if run_id:
+                    children[tag] = run_id
+    return runs, children
+
+
+def _verdict(*, uri: str, parent: str, children: dict[str, str], runs: dict[str, list[dict]], out_dir: Path,
+             plan: dict, max_accuracy_drop: float, max_token_mult_prob_error: float,
+             min_throughput_ratio: float | dict[str, float] | None, steps: int) -> dict:
+    """The verdict on the seed-averaged summaries and the paired accuracy drop (the throughput floor of the CPU kind
+    the FP8 run trained on), written to out_dir/verdict.md, logged to the parent run and printed."""
+    from tasks.regression import log_verdict, paired_drop, throughput_threshold, verdict, verdict_markdown
+
+    summaries = {role: _mean_summary(rs) for role, rs in runs.items()}
+    kind = _cpu_kind(summaries)
+    paired = paired_drop(runs["bf16"], runs["fp8"])
+    v = verdict(summaries["bf16"], summaries["fp8"], max_accuracy_drop=max_accuracy_drop,
+                max_token_mult_prob_error=max_token_mult_prob_error,
+                min_throughput_ratio=throughput_threshold(kind, min_throughput_ratio), cpu_kind=kind,
+                paired=paired, plan=plan)
+    md = verdict_markdown(v, parent_run_id=parent, children=children)
+    (out_dir / "verdict.md").write_text(md)
+    log_verdict(uri, parent, v, md, steps)
+    print(md, flush=True)
+    return v
 
 
 def _mean_summary(runs: list[dict]) -> dict:
