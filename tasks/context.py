@@ -5,16 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from cluster.faults import TestHooks
-
-
-@dataclass(frozen=True)
-class GenParams:
-    """Rollout sampling: ``n`` samples per prompt (grpo.num_generations_per_prompt), policy.generation.*."""
-
-    n: int
-    max_tokens: int
-    temperature: float
-    top_p: float
+from configs.schema import GenerationCfg
 
 
 @dataclass(frozen=True)
@@ -45,7 +36,8 @@ class RunContext:
     model_dir: str
     seed: int
     recipe: str
-    gen: GenParams
+    gen: GenerationCfg  # policy.generation, as the schema has it (the engine reads its vllm_cfg itself)
+    group_size: int  # grpo.num_generations_per_prompt: samples per prompt
     kv_fp8: bool  # FP8 KV cache: calibrate scales every kv_period steps, hand them to the next refit
     kv_period: int
     kv_samples: int
@@ -70,8 +62,7 @@ class RunContext:
         spec = cfg.rollout_fp8_spec()
         return cls(policy=policy, policy_ranks=tuple(policy_ranks), rollouts=tuple(rollouts), run_id=run_id, tracking_uri=tracking_uri, model_dir=str(model_dir),
                    seed=cfg.grpo.seed, recipe=cfg.recipe,
-                   gen=GenParams(n=cfg.grpo.num_generations_per_prompt, max_tokens=gen.max_new_tokens,
-                                 temperature=gen.temperature, top_p=gen.top_p),
+                   gen=gen, group_size=cfg.grpo.num_generations_per_prompt,
                    kv_fp8=gen.vllm_cfg.kv_fp8, kv_period=max(1, cal.kv_scales_period),
                    kv_samples=cal.kv_calibration_samples, val_batch_size=cfg.grpo.val_batch_size,
                    checkpoint=CheckpointTarget(uri=checkpoint_uri, keep_last_k=ck.keep_last_k,

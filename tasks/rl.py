@@ -77,8 +77,9 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     engines = [actor(name) for name in ctx.rollouts[:len(ranges)]]
     if _fault_due(ctx, "kill_rollout", step):
         ray.get(engines[0].__ray_call__.remote(arm_kill))  # TEST-ONLY: engine 0 dies mid-rollout (cluster/faults.py)
-    parts = [e.generate.remote(prompts[a:b], n=g.n, max_tokens=g.max_tokens, temperature=g.temperature,
-                               top_p=g.top_p, seed=seed + a * g.n, weights_version=weights_version,
+    n = ctx.group_size
+    parts = [e.generate.remote(prompts[a:b], n=n, max_tokens=g.max_new_tokens, temperature=g.temperature,
+                               top_p=g.top_p, seed=seed + a * n, weights_version=weights_version,
                                routing=True)  # MoE engines attach each token's experts (replay, moe/* metrics)
              for e, (a, b) in zip(engines, ranges, strict=True)]
     ref = parts[0] if len(parts) == 1 else engines[0].gather.remote(*parts)
@@ -164,7 +165,7 @@ def _generate_rows(ctx: RunContext, rows: list[dict], *, n: int, temperature: fl
     # fan-out: consecutive prompt ranges per engine (cluster.runtime.split_groups), each in calls of bs prompts; all
     # calls issued at once (each engine runs its own in order), gathered in prompt order
     refs = [actor(ctx.rollouts[k]).generate.remote(
-                prompts[i:min(i + bs, b)], n=n, max_tokens=ctx.gen.max_tokens, temperature=temperature,
+                prompts[i:min(i + bs, b)], n=n, max_tokens=ctx.gen.max_new_tokens, temperature=temperature,
                 top_p=top_p, seed=seed0 + i * n)
             for k, (a, b) in enumerate(split_groups(len(prompts), len(ctx.rollouts))) for i in range(a, b, bs)]
     return [o for part in ray.get(refs) for o in part]

@@ -42,9 +42,9 @@ READERS = {
         "configs/schema.py", "getattr(f8, k) for k in FP8_RECIPE_KEYS"),
     "policy.megatron_cfg.fp8_cfg.backend": ("configs/schema.py", "backend=f8.backend"),
     "policy.generation.backend": ("configs/schema.py", 'backend: Literal["vllm"]'),  # the only engine
-    "policy.generation.max_new_tokens": ("tasks/context.py", "gen.max_new_tokens"),
-    "policy.generation.temperature": ("tasks/context.py", "gen.temperature"),
-    "policy.generation.top_p": ("tasks/context.py", "gen.top_p"),
+    "policy.generation.max_new_tokens": ("tasks/rl.py", "gen.max_new_tokens"),
+    "policy.generation.temperature": ("tasks/rl.py", "gen.temperature"),
+    "policy.generation.top_p": ("tasks/rl.py", "gen.top_p"),
     "policy.generation.top_k": ("configs/schema.py", "p.generation.top_k"),  # only null / -1
     "policy.generation.vllm_cfg.precision": ("configs/schema.py", 'vc.precision != "fp8"'),
     "policy.generation.vllm_cfg.kv_cache_dtype": ("rollout/engine.py", "vc.kv_cache_dtype"),

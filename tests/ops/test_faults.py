@@ -129,11 +129,13 @@ def test_fault_markers_claim_once(tmp_path):
 def test_no_fault_is_due_when_the_knobs_are_off(tmp_path):
     """Knobs at 0 (every real run) never fire, also not at the step-0 rollout of the initial KV calibration (a bug
     that once SIGKILLed the engine of every FP8-KV run); a set knob fires once, at its step."""
-    from tasks.context import Faults
+    from cluster.faults import TestHooks
+    from configs.schema import Config
     from tasks.rl import _fault_due
 
     class Ctx:
-        faults = Faults(kill_rollout_step=0, kill_policy_step=2, marker_dir=str(tmp_path))
+        hooks = TestHooks(kill_rollout_at_step=0, kill_policy_at_step=2, marker_dir=str(tmp_path))
 
-    assert not any(_fault_due(Ctx, 0, s, "kill_rollout") for s in (0, 1, 2))
-    assert [s for s in (0, 1, 2, 2, 3) if _fault_due(Ctx, 2, s, "kill_policy")] == [2]
+    assert not any(_fault_due(Ctx, "kill_rollout", s) for s in (0, 1, 2))
+    assert [s for s in (0, 1, 2, 2, 3) if _fault_due(Ctx, "kill_policy", s)] == [2]
+    assert TestHooks.from_config(Config(), tmp_path) is None  # every knob off: a real run carries no hooks at all

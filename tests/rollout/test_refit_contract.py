@@ -170,3 +170,32 @@ def test_refit_refuses_bad_fp8_payloads_and_stale_kv_scales(model_dir, tmp_path)
             engine.refit(payload, {**fresh, "version": 1}, weights_version=3)
     finally:
         engine.shutdown()
+
+
+def test_one_recipe_builds_one_spec_on_both_sides(model_dir, tmp_path):
+    """The trainer's FP8 layers and the engine's quantization method get their numerics from one FP8Spec, the
+    recipe's: every FP8Linear of the trainer and every fp8core linear of the vLLM model carry that spec (a
+    non-default one: rowwise, pow2 scales, first layer in BF16), on the same decoder layers."""
+    from fp8core.linear import FP8Linear
+    from rollout.engine import RolloutWorker
+    from trainer.policy import PolicyWorker
+
+    cfg = _cfg(tmp_path, recipe="rowwise", pow2=True, first=1)
+    spec = cfg.trainer_fp8_spec()
+    policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
+    assert policy.fp8_spec == spec
+    trainer_cfgs = {m.config for m in policy.model.modules() if isinstance(m, FP8Linear)}
+    assert trainer_cfgs == {spec.linear_config()}
+    trainer_layers = {int(n.split(".")[2]) for n in policy.fp8_layers}
+
+    def engine_specs(model):  # {(decoder layer, spec)} of every linear the fp8core method quantizes
+        return {(int(name.split(".")[2]), m.quant_method.config.spec) for name, m in model.named_modules()
+                if hasattr(getattr(m, "quant_method", None), "partitions")}
+
+    engine = RolloutWorker(model_dir, cfg, run_dir=tmp_path / "rollout")
+    try:
+        found = engine.llm.apply_model(engine_specs)[0]
+    finally:
+        engine.shutdown()
+    assert {s for _, s in found} == {engine.fp8} and engine.fp8.forward_key() == spec.forward_key()
+    assert {layer for layer, _ in found} == trainer_layers == set(spec.layer_indices(4))

@@ -40,6 +40,7 @@ def trained(tmp_path_factory):
 
 def _generate(model_dir, cfg, run_dir, weights=None):
     import random
+
     from embedded.math_task import make_problem
     from embedded.tiny_model import chat_prompt
     from rollout.engine import RolloutWorker
