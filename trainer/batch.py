@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 class Batch:
@@ -29,20 +30,22 @@ class Batch:
                 raise ValueError("all prompts must have the same number of samples (GRPO groups)")
             p = list(r["prompt_token_ids"])
             for s in r["samples"]:
+                if len(s["logprobs"]) != len(s["token_ids"]):
+                    raise ValueError(f"a sample has {len(s['token_ids'])} tokens but {len(s['logprobs'])} logprobs")
                 seqs.append(p + list(s["token_ids"]))
                 lps.append(list(s["logprobs"]))
                 starts.append(len(p))
-        width = max(len(s) for s in seqs)
         b = len(seqs)
-        tokens = torch.full((b, width), pad_id, dtype=torch.long)
-        attn = torch.zeros((b, width), dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.float32)
-        rl = torch.zeros((b, width), dtype=torch.float32)
-        for i, (s, lp, st) in enumerate(zip(seqs, lps, starts, strict=True)):
-            tokens[i, : len(s)] = torch.tensor(s)
-            attn[i, : len(s)] = 1
-            mask[i, st: len(s)] = 1.0
-            rl[i, st: len(s)] = torch.tensor(lp, dtype=torch.float32)
+        tokens = pad_sequence([torch.tensor(s, dtype=torch.long) for s in seqs], batch_first=True,
+                              padding_value=pad_id)
+        width = tokens.shape[1]
+        attn = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in seqs], batch_first=True)
+        # response positions: mask 1 and the engine's logprob (0 on the prompt and on padding)
+        mask = pad_sequence([torch.cat([torch.zeros(st), torch.ones(len(s) - st)]) for s, st in zip(seqs, starts,
+                                                                                                  strict=True)],
+                            batch_first=True)
+        rl = pad_sequence([torch.cat([torch.zeros(st), torch.tensor(lp, dtype=torch.float32)])
+                           for lp, st in zip(lps, starts, strict=True)], batch_first=True)
         routing = None
         routed = [smp.get("routed_experts") for r in rollouts for smp in r["samples"]]
         if routed and all(x is not None for x in routed):
