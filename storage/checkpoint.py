@@ -37,14 +37,19 @@ class CheckpointError(RuntimeError):
 
 
 def _retry(fn: Callable[[], Any], *, what: str, attempts: int = 4, base_delay: float = 0.5):
-    for i in range(attempts):
-        try:
-            return fn()
-        except (OSError, TimeoutError) as e:  # s3fs maps transient errors to OSError subclasses
-            if i == attempts - 1:
-                raise CheckpointError(f"{what}: failed after {attempts} attempts: {type(e).__name__}: {e}") from e
-            time.sleep(base_delay * 2**i)
-    return None  # pragma: no cover
+    """``fn()``, retried on transient storage errors (OSError / TimeoutError: s3fs maps transient S3 errors to
+    OSError subclasses) after ``base_delay * 2**i`` seconds; after ``attempts`` tries, a CheckpointError naming
+    ``what`` and the last error."""
+    import tenacity
+
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(attempts), wait=tenacity.wait_exponential(multiplier=base_delay, min=0),
+        retry=tenacity.retry_if_exception_type((OSError, TimeoutError)), reraise=True,
+        sleep=lambda seconds: time.sleep(seconds))
+    try:
+        return retrying(fn)
+    except (OSError, TimeoutError) as e:
+        raise CheckpointError(f"{what}: failed after {attempts} attempts: {type(e).__name__}: {e}") from e
 
 
 def rng_state() -> dict:
