@@ -247,6 +247,15 @@ class DataCfg:
     max_input_seq_length: int = 128
     shuffle: bool = True
     s3_endpoint_url: str | None = None  # credentials come from the environment, never from the recipe
+    # The prompt (data/prompt.py): the system turn (text, or a file; null = the task's own, "" = none) and a user-turn
+    # template file with a {question} placeholder (null = the question itself), through the chat template.
+    system_prompt: str | None = None
+    system_prompt_file: str | None = None
+    prompt_file: str | None = None
+
+    def __post_init__(self):
+        _check(self.system_prompt is None or self.system_prompt_file is None, "data.system_prompt_file",
+               "give the system prompt as data.system_prompt or as data.system_prompt_file, not both")
 
 
 @dataclass(frozen=True)

@@ -172,5 +172,6 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, *, 
 def chat_prompt(tokenizer, question: str, task: str = DEFAULT_TASK) -> str:
     """The prompt text the policy sees for one question (system + user turn, generation prompt); the system turn is
     ``task``'s ``system_prompt`` (embedded/tasks.py; the same text for every task today)."""
-    messages = [{"role": "system", "content": get_task(task).system_prompt}, {"role": "user", "content": question}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    from data.prompt import PromptFormat
+
+    return PromptFormat().render(tokenizer, question, task)

@@ -167,6 +167,7 @@ def _assets_and_data(run: _Run) -> None:
     from cluster.runtime import check_rollout_kv
     from data.eval_sets import load_eval_sets
     from data.loading import PromptSource
+    from data.prompt import PromptFormat
     from flows.bootstrap import bootstrap_flow
 
     cfg = run.cfg
@@ -188,6 +189,7 @@ def _assets_and_data(run: _Run) -> None:
                                         seed=cfg.grpo.seed)
     run.val_rows = run.data.validation_rows(cfg.grpo.max_val_samples)
     run.eval_rows = load_eval_sets(cfg)  # evaluation.sets: a missing file / column fails here, naming the key
+    PromptFormat.from_config(cfg.data)  # data.system_prompt_file / prompt_file: a missing file fails here too
     from cluster.faults import TestHooks
 
     run.hooks = TestHooks.from_config(cfg, run.run_dir)  # TEST-ONLY faults (None in a real run): loud warnings

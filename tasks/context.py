@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 from cluster.faults import TestHooks
 from configs.schema import GenerationCfg
+from data.prompt import PromptFormat
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class RunContext:
     recipe: str
     gen: GenerationCfg  # policy.generation, as the schema has it (the engine reads its vllm_cfg itself)
     group_size: int  # grpo.num_generations_per_prompt: samples per prompt
+    prompt: PromptFormat  # how a row's question becomes the prompt (data.system_prompt*, data.prompt_file)
     kv_fp8: bool  # FP8 KV cache: calibrate scales every kv_period steps, hand them to the next refit
     kv_period: int
     kv_samples: int
@@ -63,6 +65,7 @@ class RunContext:
         return cls(policy=policy, policy_ranks=tuple(policy_ranks), rollouts=tuple(rollouts), run_id=run_id, tracking_uri=tracking_uri, model_dir=str(model_dir),
                    seed=cfg.grpo.seed, recipe=cfg.recipe,
                    gen=gen, group_size=cfg.grpo.num_generations_per_prompt,
+                   prompt=PromptFormat.from_config(cfg.data),
                    kv_fp8=gen.vllm_cfg.kv_fp8, kv_period=max(1, cal.kv_scales_period),
                    kv_samples=cal.kv_calibration_samples, val_batch_size=cfg.grpo.val_batch_size,
                    checkpoint=CheckpointTarget(uri=checkpoint_uri, keep_last_k=ck.keep_last_k,

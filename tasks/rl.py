@@ -29,11 +29,10 @@ def _tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def prompts_for(model_dir: str, rows: list[dict]) -> list[str]:
-    from embedded.tiny_model import chat_prompt
-
-    tok = _tokenizer(model_dir)
-    return [chat_prompt(tok, r["question"]) for r in rows]
+def prompts_for(ctx: RunContext, rows: list[dict]) -> list[str]:
+    """The prompt of each row (``ctx.prompt``: the recipe's system prompt / template, else the row's task's)."""
+    tok = _tokenizer(ctx.model_dir)
+    return [ctx.prompt.render(tok, r["question"], r["task"]) for r in rows]
 
 
 def _fault_due(ctx: RunContext, what: str, step: int) -> bool:
@@ -71,7 +70,7 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     Returns the Ray ref of the rollouts and throughput metrics."""
     t0 = time.perf_counter()
     g = ctx.gen
-    prompts = prompts_for(ctx.model_dir, rows)
+    prompts = prompts_for(ctx, rows)
     seed = ctx.seed * 1_000_003 + step * 9973  # prompt i gets seed + i * n on whichever engine runs it
     ranges = split_groups(len(prompts), len(ctx.rollouts))
     engines = [actor(name) for name in ctx.rollouts[:len(ranges)]]
@@ -161,7 +160,7 @@ def _generate_rows(ctx: RunContext, rows: list[dict], *, n: int, temperature: fl
                    seed0: int) -> list[dict]:
     """``n`` completions per row, grpo.val_batch_size prompts per engine call; prompt g gets seed ``seed0 + g*n``
     (independent of the chunking, the same at every validation step: common random numbers across steps)."""
-    prompts, bs = prompts_for(ctx.model_dir, rows), ctx.val_batch_size
+    prompts, bs = prompts_for(ctx, rows), ctx.val_batch_size
     # fan-out: consecutive prompt ranges per engine (cluster.runtime.split_groups), each in calls of bs prompts; all
     # calls issued at once (each engine runs its own in order), gathered in prompt order
     refs = [actor(ctx.rollouts[k]).generate.remote(

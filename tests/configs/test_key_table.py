@@ -108,6 +108,9 @@ READERS = {
     "data.max_input_seq_length": ("configs/schema.py", "c.data.max_input_seq_length"),  # checked at load
     "data.shuffle": ("data/loading.py", ".shuffle"),
     "data.s3_endpoint_url": ("data/loading.py", ".s3_endpoint_url"),
+    "data.system_prompt": ("data/prompt.py", "data.system_prompt"),
+    "data.system_prompt_file": ("data/prompt.py", "data.system_prompt_file"),
+    "data.prompt_file": ("data/prompt.py", "data.prompt_file"),
     "checkpointing.enabled": ("flows/grpo.py", "ck.enabled"),
     "checkpointing.checkpoint_dir": ("flows/grpo.py", "ck.checkpoint_dir"),
     "checkpointing.save_period": ("flows/grpo.py", "ck_cfg.save_period"),
