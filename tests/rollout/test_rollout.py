@@ -50,11 +50,13 @@ def _hf_model(model_dir, state_dict=None):
     return model
 
 
-def _error(model, results) -> float:
-    from diagnostics.mismatch import flatten_results, mismatch, trainer_logprobs
+def _error(model, results, *, temperature: float = 1.0) -> float:
+    """The engine's logprobs vs the plain HF reference ``model``'s, on the trainer's batches (trainer.batch)."""
+    from fp8core.rl import mismatch_metrics
+    from trainer.batch import model_logprobs
 
-    ps, rs, lps = flatten_results(results)
-    return mismatch(trainer_logprobs(model, ps, rs), lps)["mismatch/token_mult_prob_error"]
+    lp, b = model_logprobs(model, results, pad_id=model.config.pad_token_id, temperature=temperature)
+    return mismatch_metrics(lp, b.rollout_logp, b.mask)["mismatch/token_mult_prob_error"]
 
 
 def test_config_rejects_bad_values():
@@ -194,13 +196,10 @@ def test_generate_format_and_reproducibility(worker, prompts):
 @pytest.mark.slow
 def test_logprobs_are_temperature_processed(worker, model_dir, prompts):
     """At temperature 0.7 the engine's logprobs are those of softmax(logits / 0.7), as the trainer computes them."""
-    from diagnostics.mismatch import flatten_results, mismatch, trainer_logprobs
-
     out = worker.generate(prompts, n=2, max_tokens=10, temperature=0.7, seed=1)
-    ps, rs, lps = flatten_results(out)
     model = _hf_model(model_dir)
-    right = mismatch(trainer_logprobs(model, ps, rs, temperature=0.7), lps)["mismatch/token_mult_prob_error"]
-    wrong = mismatch(trainer_logprobs(model, ps, rs, temperature=1.0), lps)["mismatch/token_mult_prob_error"]
+    right, wrong = _error(model, out, temperature=0.7), _error(model, out, temperature=1.0)
+    print(f"T=0.7 samples: token_mult_prob_error scored at T=0.7 {right:.4f}, at T=1.0 {wrong:.4f}")
     assert right <= 1.01 < wrong
 
 

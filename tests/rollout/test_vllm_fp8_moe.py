@@ -115,12 +115,8 @@ def test_expert_layer_and_router_outputs_bit_identical_for_the_same_inputs(pair)
 
 def test_fp8_moe_engine_tracks_the_fp8_trainer_and_kv_calibration_runs(pair):
     policy, engine, prompts = pair
-    from diagnostics.mismatch import flatten_results, mismatch, trainer_logprobs
-
     outs = engine.generate(prompts, n=4, max_tokens=24, seed=1)
-    ps, rs, lps = flatten_results(outs)
-    policy.model.eval()
-    err = mismatch(trainer_logprobs(policy.model, ps, rs), lps)["mismatch/token_mult_prob_error"]
+    err = policy.score(outs)["metrics"]["mismatch/token_mult_prob_error"]  # the trainer's own scoring forward
     print(f"MoE FP8 engine vs FP8 trainer token_mult_prob_error {err:.4f}")
     assert err < 1.05
     scales = policy.calibrate_kv_scales(outs, max_samples=8)
@@ -132,7 +128,6 @@ def test_fp8_moe_engine_tracks_the_fp8_trainer_and_kv_calibration_runs(pair):
 def test_routing_capture_and_replay(pair):
     """The engine returns each token's experts; the trainer's own choice mostly agrees; with replay on the trainer
     uses exactly the engine's experts; moe/* metrics are logged by train_step."""
-    from diagnostics.mismatch import mismatch
     from fp8core.moe import routers
     from trainer.batch import Batch
 
@@ -150,9 +145,7 @@ def test_routing_capture_and_replay(pair):
     errs = {}
     for replay in (False, True):
         policy.router_replay = replay
-        lp = policy.logprobs(b)[0]
-        errs[replay] = mismatch([lp[i][b.mask[i].bool()] for i in range(len(b))],
-                                [s["logprobs"] for o in outs for s in o["samples"]])["mismatch/token_mult_prob_error"]
+        errs[replay] = policy.score(outs)["metrics"]["mismatch/token_mult_prob_error"]
     # the last forward (replay on, the whole batch in one logprob batch) used the engine's experts
     r0 = routers(policy.model)[0][1]
     order = torch.argsort(b.attn.sum(1), descending=True, stable=True)  # logprobs() batches rows longest-first
