@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers / torchao load
 from bench.workload import ROOT
 
 RECIPES = {"bf16": "configs/tiny_bf16.yaml", "fp8": "configs/tiny_fp8_e2e.yaml"}

@@ -65,6 +65,7 @@ from pathlib import Path
 
 import torch
 
+import cluster.quiet  # noqa: F401  third-party start-up noise off before vLLM / transformers / torchao load
 from cluster.env import apply_env
 from configs.schema import Config
 from fp8core.cpu import cpu_caps_dict

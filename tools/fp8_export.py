@@ -28,6 +28,8 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+import cluster.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / torchao load
+
 LAYOUTS = ("fp8core", "vllm")
 
 

@@ -22,6 +22,8 @@ import re
 import sys
 import time
 
+import cluster.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / torchao load
+
 
 def _token_index(offsets, char: int) -> int | None:
     for j, (a, b) in enumerate(offsets):
@@ -63,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import cluster.quiet  # noqa: F401  (third-party start-up noise)
     from embedded import addition_task as at
     from embedded.tiny_model import chat_prompt
 
