@@ -1,87 +1,48 @@
-"""Train/inference mismatch: vLLM rollout logprobs vs the trainer's (HF model, optionally FP8 via fp8core).
+"""Train/inference mismatch per recipe: vLLM rollout logprobs vs the logprobs of the trainer that recipe trains with.
 
-For a batch of sequences sampled by the rollout engine, the trainer recomputes ``log pi(token | prefix)`` with a
-teacher-forced forward; ``mismatch/token_mult_prob_error = mean_t exp(|logp_train - logp_rollout|)`` over generated
-tokens (NeMo RL's metric, fp8core.rl.metrics.mismatch_metrics; 1.0 = identical).
+Each row is a recipe, and both sides are built from it: ``cfg = load_config(recipe, overrides)``, the rollout engine
+``RolloutWorker(model_dir, cfg)`` samples the prompts, the trainer ``PolicyWorker(model_dir, cfg).score(...)``
+recomputes ``log pi(token | prefix)`` of every sampled token with the forward of its training step's old-logprob
+pass (its FP32 masters, FP8 linears, ``policy.precision``, MoE routing replay, KV rounding: what the run trains
+with). ``mismatch/token_mult_prob_error = mean_t exp(|logp_train - logp_rollout|)`` over generated tokens (NeMo
+RL's metric, fp8core.rl.mismatch_metrics, as logged every step; 1.0 = identical)::
 
-The table of issue 3, on the tiny model (after a short SFT so the distribution is not near-uniform)::
+    (a) configs/tiny_bf16.yaml          BF16 rollout            / FP32 trainer
+    (b) configs/tiny_fp8_rollout.yaml   FP8 rollout (linears)   / FP32 trainer (its policy.precision)
+    (c) configs/tiny_fp8_e2e.yaml       FP8 rollout (linears)   / FP8 trainer (same FP8 numerics, end to end)
+    (d) configs/tiny_fp8_e2e_kv.yaml    (c) + FP8 KV cache      / FP8 trainer
 
-    (a) BF16 rollout            / BF16 trainer
-    (b) FP8 rollout (linears)   / BF16 trainer
-    (c) FP8 rollout (linears)   / FP8 trainer (fp8core.convert.convert_to_fp8, same layers, same pow2 flags)
-    (d) FP8 rollout + FP8 KV    / FP8 trainer (K/V scales: fp8core.rl.kv_calibration on the FP8 trainer)
+Rows with an FP8 KV cache get their K/V scales as the pipeline does at refit: the row's own trainer calibrates them
+(``PolicyWorker.calibrate_kv_scales``, ``calibration.kv_calibration_samples`` sequences) on an FP8 rollout of the
+same prompts without the FP8 KV cache (the previous step's rollouts), and the engine takes them
+(``set_kv_scales``) before sampling.
 
-Print it with ``.venv/bin/python -m diagnostics.mismatch`` (options: ``--help``); by default it uses the pipeline's SFT
-warm start cached under runs/assets (built there first if missing, as flows/bootstrap.py would).
+Run ``.venv/bin/python -m diagnostics.mismatch`` (``--help``): by default it uses the pipeline's SFT warm start of the
+recipes (``bootstrap.*``, ``data.task``; built under runs/assets first if missing, as flows/bootstrap.py would) and
+writes the table to docs/results/mismatch.md, stamped with the commit, date, CPU and command line.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import random
+import shlex
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import torch
-
+import cluster.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / vLLM load
 from cluster.env import apply_env
-from configs.schema import Config, standalone_engine_config
+from configs.schema import Config, load_config
 from fp8core.linear import RECIPES
-from rollout.engine import RolloutWorker
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-
-def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``input_ids`` [B, max_len] and its ``attention_mask`` for token-id sequences."""
-    width = max(len(x) for x in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, x in enumerate(seqs):
-        ids[i, :len(x)] = torch.tensor(x)
-        attn[i, :len(x)] = 1
-    return ids, attn
-
-def load_trainer_model(model_dir: str | Path, *, fp8: bool, num_first_layers_in_bf16: int = 0,
-                       num_last_layers_in_bf16: int = 0, pow2_weight: bool = False, pow2_activation: bool = False,
-                       dtype: torch.dtype = torch.bfloat16, recipe: str = "blockwise"):
-    """The trainer-side HF model in ``dtype``; with ``fp8`` its decoder linears run fp8core's FP8 in ``recipe``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
-    from fp8core.moe import convert_routers
-
-    convert_routers(model)  # MoE models: FP32 router logits, vLLM's routing rule (fp8core/moe.py)
-    if fp8:
-        from fp8core.convert import convert_to_fp8
-        from fp8core.linear import FP8LinearConfig
-
-        convert_to_fp8(model, FP8LinearConfig(recipe=recipe, pow2_weight=pow2_weight,
-                                              pow2_activation=pow2_activation),
-                       num_first_layers_in_bf16=num_first_layers_in_bf16,
-                       num_last_layers_in_bf16=num_last_layers_in_bf16)
-    return model
-
-
-@torch.no_grad()
-def trainer_logprobs(model, prompt_ids: list[list[int]], response_ids: list[list[int]], *, temperature: float = 1.0,
-                     batch_size: int = 16, pad_id: int = 0) -> list[torch.Tensor]:
-    """Per sequence, ``log_softmax(logits / temperature)[t, response_t]`` for each response token (FP32).
-
-    Teacher-forced forward over prompt + response (right-padded, attention-masked); the logit at position
-    ``len(prompt) + j - 1`` predicts response token ``j``.
-    """
-    out: list[torch.Tensor] = []
-    for start in range(0, len(prompt_ids), batch_size):
-        ps, rs = prompt_ids[start:start + batch_size], response_ids[start:start + batch_size]
-        ids, attn = pad_right([p + r for p, r in zip(ps, rs, strict=True)], pad_id)
-        logits = model(input_ids=ids, attention_mask=attn).logits.float()
-        logp = torch.log_softmax(logits / temperature, dim=-1)
-        for i, (p, r) in enumerate(zip(ps, rs, strict=True)):
-            pos = torch.arange(len(p) - 1, len(p) - 1 + len(r))
-            out.append(logp[i, pos, torch.tensor(r, dtype=torch.long)])
-    return out
+CONFIGS = ROOT / "configs"
+ROWS = {"a": "tiny_bf16.yaml", "b": "tiny_fp8_rollout.yaml", "c": "tiny_fp8_e2e.yaml", "d": "tiny_fp8_e2e_kv.yaml"}
+RESULTS = ROOT / "docs" / "results" / "mismatch.md"
 
 
 def quick_sft_model(root: str | Path, *, steps: int = 12, batch_size: int = 8, lr: float = 3e-3,
@@ -105,180 +66,250 @@ def quick_sft_model(root: str | Path, *, steps: int = 12, batch_size: int = 8, l
     return sft_bootstrap(base, splits["train"], out, cfg, log=lambda *_: None, task="arithmetic")
 
 
-def flatten_results(results: list[dict]) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
-    """RolloutWorker.generate output -> (prompt ids, response ids, rollout logprobs), one entry per sample."""
-    ps, rs, lps = [], [], []
-    for r in results:
-        for s in r["samples"]:
-            if s["token_ids"]:
-                ps.append(r["prompt_token_ids"])
-                rs.append(s["token_ids"])
-                lps.append(s["logprobs"])
-    return ps, rs, lps
+# ------------------------------------------------------------------------------------------------ recipes and inputs
+def fp8_overrides(recipe: str | Path, fp8: Mapping[str, object], overrides: Sequence[str] = ()) -> list[str]:
+    """FP8 recipe settings (``configs.schema.FP8_RECIPE_KEYS`` names) as ``key=value`` overrides of the section that
+    owns them in ``recipe``: the trainer's ``policy.megatron_cfg.fp8_cfg`` when it trains in FP8 (end to end, the
+    engine follows it), the rollout's ``policy.generation.vllm_cfg`` when only the rollout is FP8, none for a BF16
+    recipe."""
+    cfg = load_config(recipe, overrides)
+    if cfg.policy.megatron_cfg.fp8_cfg.enabled:
+        section = "policy.megatron_cfg.fp8_cfg"
+    elif cfg.policy.generation.vllm_cfg.precision == "fp8":
+        section = "policy.generation.vllm_cfg"
+    else:
+        return []
+    return [f"{section}.{k}={json.dumps(v)}" for k, v in fp8.items()]
 
 
-def mismatch(train_lps: list[torch.Tensor], rollout_lps: list[list[float]]) -> dict[str, float]:
-    """fp8core.rl.metrics.mismatch_metrics over padded [B, T] tensors (+ the token count)."""
-    from fp8core.rl.metrics import mismatch_metrics
+def warm_start(cfg: Config) -> Path:
+    """The pipeline's SFT warm start of ``cfg`` (flows/bootstrap.py's assets: ``bootstrap.*``, ``data.task``,
+    ``grpo.seed``), built first if missing."""
+    from embedded.bootstrap import default_sft, ensure_default_assets
 
-    width = max(len(x) for x in rollout_lps)
-    tr = torch.zeros(len(rollout_lps), width, dtype=torch.float64)
-    ro = torch.zeros_like(tr)
-    mask = torch.zeros_like(tr)
-    for i, (t, r) in enumerate(zip(train_lps, rollout_lps, strict=True)):
-        tr[i, :len(r)] = t.double()
-        ro[i, :len(r)] = torch.tensor(r, dtype=torch.float64)
-        mask[i, :len(r)] = 1
-    m = mismatch_metrics(tr, ro, mask)
-    m["tokens"] = int(mask.sum())
-    return m
+    sft = default_sft(cfg.data.task, seed=cfg.grpo.seed, steps=cfg.bootstrap.sft_steps)
+    return ensure_default_assets(Path(cfg.bootstrap.assets_dir), task=cfg.data.task, sft=sft,
+                                 model=cfg.bootstrap.model)["model_dir"]
 
 
-def calibrate_kv_scales(model, prompt_ids: list[list[int]], response_ids: list[list[int]] | None = None, *,
-                        batch_size: int = 16, pad_id: int = 0) -> dict[str, list[float]]:
-    """Per-layer Q/K/V scales from fp8core.rl.kv_calibration (post-RoPE amax percentile * margin / 448) on the
-    given sequences (prompt + response when given), right-padded micro-batches with an attention mask."""
-    from fp8core.rl.kv_calibration import calibrate_kv_scales as calibrate
+def task_prompts(model_dir: str | Path, task: str, count: int, *, seed: int = 1234) -> list[str]:
+    """``count`` chat prompts of the embedded task ``task`` (fresh problems from ``random.Random(seed)``)."""
+    from transformers import AutoTokenizer
 
-    seqs = [p + r for p, r in zip(prompt_ids, response_ids, strict=True)] if response_ids else list(prompt_ids)
-    batches = []
-    for start in range(0, len(seqs), batch_size):
-        ids, attn = pad_right(seqs[start:start + batch_size], pad_id)
-        batches.append({"input_ids": ids, "attention_mask": attn})
-    with torch.no_grad():
-        return calibrate(model, batches)
+    from embedded.tasks import get_task
+    from embedded.tiny_model import chat_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    rng, t = random.Random(seed), get_task(task)
+    return [chat_prompt(tok, t.make_problem(rng)["question"], task) for _ in range(count)]
 
 
-def sample_and_compare(model_dir: Path, cfg: Config, *, run_dir: Path, prompts: list[str], trainers: dict,
-                       n: int, max_tokens: int, temperature: float, seed: int,
-                       kv_scales: dict | None = None) -> tuple[dict, dict, tuple]:
-    """Start an engine with ``cfg``, sample, stop it; compare its logprobs with each trainer model in ``trainers``."""
+def sample(model_dir: Path, cfg: Config, prompts: list[str], *, n: int, seed: int, run_dir: Path,
+           kv_scales: Mapping | None = None) -> tuple[list[dict], dict]:
+    """Start ``cfg``'s rollout engine, set ``kv_scales`` (if any), sample ``n`` completions per prompt at the recipe's
+    ``policy.generation`` settings, stop it; returns (results, engine stats)."""
+    from rollout.engine import RolloutWorker
+
+    g = cfg.policy.generation
     worker = RolloutWorker(model_dir, cfg, run_dir=run_dir)
     try:
         if kv_scales is not None:
             worker.set_kv_scales(kv_scales)
-        results = worker.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
-        stats = worker.stats()
+        results = worker.generate(prompts, n=n, max_tokens=g.max_new_tokens, temperature=g.temperature,
+                                  top_p=g.top_p, seed=seed)
+        return results, worker.stats()
     finally:
         worker.shutdown()
-    ps, rs, lps = flatten_results(results)
-    rows = {}
-    for name, model in trainers.items():
-        rows[name] = mismatch(trainer_logprobs(model, ps, rs, temperature=temperature), lps)
-    return rows, stats, (ps, rs)
 
 
-def mismatch_table(model_dir: str | Path, *, run_dir: str | Path, prompts: list[str], n: int = 4,
-                   max_tokens: int = 32, temperature: float = 1.0, seed: int = 0,
-                   base: dict | None = None) -> dict:
-    """Rows (a)-(d) of the module docstring: {row: {metric: value}} plus KV capacities and the scales used."""
+def without_fp8_kv(cfg: Config) -> Config:
+    """``cfg`` with a BF16 KV cache (and nothing that needs an FP8 one): the engine of the calibration rollout."""
+    from configs.schema import config_from_dict
+
+    return config_from_dict(cfg.to_dict(), ["policy.generation.vllm_cfg.kv_cache_dtype=auto",
+                                            "policy.generation.vllm_cfg.kv_cache_impl=auto",
+                                            "calibration.kv_rounding_in_trainer=false"])
+
+
+def measure(model_dir: str | Path, cfg: Config, prompts: list[str], *, n: int, seed: int = 0,
+            run_dir: str | Path) -> dict:
+    """One row: ``cfg``'s engine samples ``prompts``, ``cfg``'s trainer scores them (``PolicyWorker.score``). With an
+    FP8 KV cache the engine first gets K/V scales from that trainer, calibrated on an FP8 rollout of the same
+    prompts (same seed) without the FP8 KV cache. Returns {"metrics", "logp", "rollouts", "engine", "kv_scales"}."""
+    from trainer.policy import PolicyWorker
+
     model_dir, run_dir = Path(model_dir), Path(run_dir)
-    base = dict(base if base is not None else {"max_model_len": 512})  # policy.generation.vllm_cfg keys
-    fp8_keys = {k: base.pop(k) for k in list(base) if k in ("fp8_recipe", "num_first_layers_in_bf16",
-                                                             "num_last_layers_in_bf16", "pow2_weight_scaling_factors",
-                                                             "pow2_activation_scaling_factors")}
-    spec = standalone_engine_config(precision="fp8", **fp8_keys, **base).rollout_fp8_spec()
-    layer_kw = dict(num_first_layers_in_bf16=spec.num_first_layers_in_bf16,
-                    num_last_layers_in_bf16=spec.num_last_layers_in_bf16)
-    trainer_bf16 = load_trainer_model(model_dir, fp8=False)
-    trainer_fp8 = load_trainer_model(model_dir, fp8=True, pow2_weight=spec.pow2_weight,
-                                     pow2_activation=spec.pow2_activation, recipe=spec.recipe, **layer_kw)
-    kw = dict(run_dir=run_dir, prompts=prompts, n=n, max_tokens=max_tokens, temperature=temperature, seed=seed)
-    bf16_cfg = standalone_engine_config(precision="bfloat16", kv_cache_dtype="auto", **base)
-    fp8_cfg = standalone_engine_config(precision="fp8", kv_cache_dtype="auto", **fp8_keys, **base)
-    fp8kv_cfg = standalone_engine_config(precision="fp8", kv_cache_dtype="fp8", **fp8_keys, **base)
-    a, st_a, _ = sample_and_compare(model_dir, bf16_cfg, trainers={"a": trainer_bf16}, **kw)
-    bc, _, (ps, rs) = sample_and_compare(model_dir, fp8_cfg, trainers={"b": trainer_bf16, "c": trainer_fp8}, **kw)
-    # K/V scales calibrated on the FP8 trainer with the FP8 policy's own rollouts (what the pipeline does at refit)
-    kv_scales = calibrate_kv_scales(trainer_fp8, ps, rs)
-    d, st_d, _ = sample_and_compare(model_dir, fp8kv_cfg, trainers={"d": trainer_fp8}, kv_scales=kv_scales, **kw)
-    return {"rows": {**a, **bc, **d}, "kv_capacity_tokens": {"bf16": st_a["kv_capacity_tokens"],
-                                                             "fp8": st_d["kv_capacity_tokens"]},
-            "kv_cache_memory_bytes": fp8kv_cfg.policy.generation.vllm_cfg.kv_cache_memory_bytes, "kv_scales": kv_scales,
-            "kv_mode": st_d["kv_mode"], "cpu_kind": st_d["cpu"]["kind"]}
+    policy = PolicyWorker(model_dir, cfg, run_dir=run_dir)
+    scales = None
+    if cfg.policy.generation.vllm_cfg.kv_fp8:
+        calib, _ = sample(model_dir, without_fp8_kv(cfg), prompts, n=n, seed=seed, run_dir=run_dir / "calibration")
+        scales = policy.calibrate_kv_scales(calib, max_samples=cfg.calibration.kv_calibration_samples)
+    results, stats = sample(model_dir, cfg, prompts, n=n, seed=seed, run_dir=run_dir / "rollout", kv_scales=scales)
+    scored = policy.score(results)
+    engine = {k: stats[k] for k in ("kv_capacity_tokens", "kv_mode", "kv_bytes_per_token", "kv_cache_memory_bytes",
+                                    "bf16_mode", "precision")}
+    engine["cpu_kind"] = stats["cpu"]["kind"]
+    return {"metrics": scored["metrics"], "logp": scored["logp"], "rollouts": results, "engine": engine,
+            "kv_scales": scales}
 
 
-def _tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
+def describe(cfg: Config) -> str:
+    """'<rollout> / <trainer>' of a recipe, e.g. 'FP8 blockwise + FP8 KV / FP8 blockwise, FP32 masters'."""
+    vc, p = cfg.policy.generation.vllm_cfg, cfg.policy
+    ro, tr = cfg.rollout_fp8_spec(), cfg.trainer_fp8_spec()
+    rollout = ("BF16" if ro is None else f"FP8 {ro.recipe}") + (" + FP8 KV" if vc.kv_fp8 else "")
+    trainer = ("" if tr is None else f"FP8 {tr.recipe}, ") + "FP32 masters" + (
+        ", BF16 autocast" if p.precision == "bfloat16" else "")
+    if p.router_replay.enabled:
+        trainer += ", routing replay"
+    if cfg.calibration.kv_rounding_in_trainer:
+        trainer += ", K/V rounded like the engine"
+    return f"{rollout} / {trainer}"
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+
+def mismatch_table(model_dir: str | Path, *, run_dir: str | Path, prompts: list[str], n: int = 4, seed: int = 0,
+                   overrides: Sequence[str] = (), fp8: Mapping[str, object] | None = None,
+                   rows: Mapping[str, str] = ROWS) -> dict:
+    """Rows (a)-(d) of the module docstring: ``load_config(configs/<recipe>, overrides + FP8 settings + run_dir)``
+    per row, measured by :func:`measure`. Returns the JSON-able table (rows' metrics, recipes, engines, K/V scales)
+    plus ``"scored"``: per row the trainer's logprobs ``[B, L]`` and the rollouts (not JSON)."""
+    run_dir = Path(run_dir)
+    table: dict = {"rows": {}, "recipes": {}, "engines": {}, "kv_scales": {}, "scored": {}}
+    for key, recipe in rows.items():
+        path = CONFIGS / recipe
+        row_over = [*overrides, *fp8_overrides(path, fp8 or {}, overrides), f"run_dir={run_dir / key}"]
+        cfg = load_config(path, row_over)
+        r = measure(model_dir, cfg, prompts, n=n, seed=seed, run_dir=run_dir / key)
+        table["rows"][key] = r["metrics"]
+        table["recipes"][key] = {"recipe": f"configs/{recipe}", "overrides": row_over, "describe": describe(cfg),
+                                 "precision_tag": cfg.precision_tag}
+        table["engines"][key] = r["engine"]
+        if r["kv_scales"] is not None:
+            table["kv_scales"][key] = r["kv_scales"]
+        table["scored"][key] = {"logp": r["logp"], "rollouts": r["rollouts"]}
+    return table
 
 
-ROW_LABELS = {
-    "a": "(a) BF16 rollout / BF16 trainer",
-    "b": "(b) FP8 rollout / BF16 trainer",
-    "c": "(c) FP8 rollout / FP8 trainer",
-    "d": "(d) FP8 rollout + FP8 KV / FP8 trainer",
-}
-
-
+# ------------------------------------------------------------------------------------------------------------ output
 def format_table(table: dict) -> str:
-    lines = ["| setting | token_mult_prob_error | kl_k3(rollout‖train) | max abs Δlogp | tokens |",
-             "|---|---|---|---|---|"]
-    for key, label in ROW_LABELS.items():
-        m = table["rows"][key]
-        lines.append(f"| {label} | {m['mismatch/token_mult_prob_error']:.4f} | "
+    lines = ["| row | recipe | rollout / trainer | token_mult_prob_error | kl_k3(rollout‖train) | max abs Δlogp | "
+             "tokens |", "|---|---|---|---|---|---|---|"]
+    for key, m in table["rows"].items():
+        rec = table["recipes"][key]
+        lines.append(f"| ({key}) | {rec['recipe']} | {rec['describe']} | {m['mismatch/token_mult_prob_error']:.4f} | "
                      f"{m['mismatch/kl_k3_rollout_train']:.2e} | {m['mismatch/max_abs_logp_diff']:.3f} | "
                      f"{m['tokens']} |")
-    cap = table["kv_capacity_tokens"]
     lines.append("")
-    lines.append(f"KV capacity under {table['kv_cache_memory_bytes']} bytes: bf16 {cap['bf16']} tokens, "
-                 f"fp8 {cap['fp8']} tokens; row (d) FP8 KV cache {table.get('kv_mode', '?')} on CPU kind "
-                 f"{table.get('cpu_kind', '?')} (emulated: BF16 capacity, rounding to nearest; native CPU: "
-                 f"truncation toward zero)")
+    eng = [f"({k}) {e['kv_capacity_tokens']} tokens of {e['kv_cache_memory_bytes']} bytes, KV {e['kv_mode']}"
+           + (f", BF16 {e['bf16_mode']}" if e["bf16_mode"] != "off" else "") for k, e in table["engines"].items()]
+    lines.append("Engines: " + "; ".join(eng) + " (FP8 KV emulated: BF16 capacity, rounding to nearest; native CPU: "
+                 "truncation toward zero).")
+    return "\n".join(lines)
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def stamp(argv: Sequence[str]) -> dict:
+    """Where a table comes from: commit (+dirty and the changed tracked files), UTC date, CPU, command line."""
+    from fp8core.cpu import cpu_caps
+
+    try:
+        commit = _git("rev-parse", "--short", "HEAD").strip()
+        changed = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    except (OSError, subprocess.CalledProcessError):
+        commit, changed = "unknown", []
+    caps = cpu_caps()
+    exe = Path(sys.executable)
+    exe = exe.relative_to(ROOT) if exe.is_relative_to(ROOT) else exe  # .venv/bin/python (not its resolved target)
+    return {"commit": commit + ("+dirty" if changed else ""), "dirty_files": changed,
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "cpu_kind": caps.kind, "cpu_model": caps.model,
+            "command": shlex.join([str(exe), "-m", "diagnostics.mismatch", *argv])}
+
+
+def format_results(table: dict) -> str:
+    """docs/results/mismatch.md: the stamp, the settings and the table."""
+    st, s = table["stamp"], table["settings"]
+    dirty = f" (uncommitted changes in {', '.join(st['dirty_files'])})" if st["dirty_files"] else ""
+    lines = ["# Train/inference mismatch per recipe: results", "",
+             "Written by `.venv/bin/python -m diagnostics.mismatch`; the next run of that command overwrites this file.",
+             "", "What each row measures: [the FP8 contract](../fp8-contract.md#the-mismatch-measured-every-step) and "
+             "diagnostics/mismatch.py's docstring: each row's engine and trainer are built from its recipe, the "
+             "trainer scores with `PolicyWorker.score` (the forward it trains with).", "",
+             f"- commit: `{st['commit']}`{dirty}", f"- date: {st['date']}",
+             f"- CPU: {st['cpu_model']} (kind `{st['cpu_kind']}`)", f"- command: `{st['command']}`",
+             f"- model: `{table['model_dir']}`; {s['prompts']} {s['task']} prompts x n={s['n']}, seed {s['seed']}; "
+             f"sampling and scoring at each recipe's policy.generation settings", ""]
+    if s["overrides"] or s["fp8"]:
+        lines += [f"- overrides (every row): `{' '.join(s['overrides']) or '-'}`; FP8 settings: `{s['fp8'] or '-'}`",
+                  ""]
+    lines += [format_table(table), ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description="Print the (a)-(d) train/inference mismatch table on the tiny model")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description="The (a)-(d) train/inference mismatch table: one row per recipe, "
+                                             "engine and trainer built from it (module docstring)")
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "mismatch"))
-    ap.add_argument("--model-dir", help="an HF model dir to use instead of building + SFT-ing the tiny model")
-    ap.add_argument("--assets-dir", default=str(ROOT / "runs" / "assets"),
-                    help="the pipeline's embedded-assets cache (flows/bootstrap.py): its SFT warm start is reused, "
-                         "or built there with embedded.bootstrap.ensure_default_assets")
-    ap.add_argument("--sft-steps", type=int, default=None, help="SFT warm start steps (default: SFTConfig's)")
+    ap.add_argument("--model-dir", help="an HF model dir to use instead of the recipes' SFT warm start")
+    ap.add_argument("--assets-dir", help="bootstrap.assets_dir of every recipe (default: theirs, runs/assets)")
+    ap.add_argument("--sft-steps", type=int, default=None, help="bootstrap.sft_steps of every recipe")
+    ap.add_argument("--task", help="embedded task of the prompts (default: the recipes' data.task)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="policy.generation.max_new_tokens of every recipe (default: theirs)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="policy.generation.temperature of every recipe: sampling and scoring (default: theirs)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-first-layers-in-bf16", type=int, default=0)
-    ap.add_argument("--num-last-layers-in-bf16", type=int, default=0)
+    ap.add_argument("--num-first-layers-in-bf16", type=int, default=None)
+    ap.add_argument("--num-last-layers-in-bf16", type=int, default=None)
     ap.add_argument("--pow2", action="store_true", help="pow2 weight and activation scaling factors")
-    ap.add_argument("--fp8-recipe", default="blockwise", choices=RECIPES,
-                    help="FP8 recipe of rows (b)-(d): engine and trainer run the same one")
+    ap.add_argument("--fp8-recipe", default=None, choices=RECIPES,
+                    help="FP8 recipe of the FP8 rows (the trainer's fp8_cfg, or the rollout's where only it is FP8)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override applied to every row (repeatable), e.g. "
+                         "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216")
     ap.add_argument("--json", help="also write the table as JSON here")
+    ap.add_argument("--out", default=str(RESULTS), help="the Markdown results file ('' = none)")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
     apply_env(run_dir)
-    from embedded.bootstrap import SFTConfig, ensure_default_assets
-    from embedded.math_task import make_problem
-    from embedded.tiny_model import chat_prompt
-
-    if args.model_dir:
-        model_dir = Path(args.model_dir)
-    else:
-        sft = SFTConfig() if args.sft_steps is None else SFTConfig(steps=args.sft_steps)
-        model_dir = ensure_default_assets(Path(args.assets_dir), task="arithmetic", sft=sft)["model_dir"]
-    tok = _tokenizer(model_dir)
-    import random
-
-    rng = random.Random(1234)
-    prompts = [chat_prompt(tok, make_problem(rng)["question"], "arithmetic") for _ in range(args.prompts)]
-    base = dict(max_model_len=512, fp8_recipe=args.fp8_recipe, num_first_layers_in_bf16=args.num_first_layers_in_bf16,
-                         num_last_layers_in_bf16=args.num_last_layers_in_bf16,
-                         pow2_weight_scaling_factors=args.pow2, pow2_activation_scaling_factors=args.pow2)
+    overrides = list(args.overrides)
+    for key, val in (("bootstrap.assets_dir", args.assets_dir), ("bootstrap.sft_steps", args.sft_steps),
+                     ("policy.generation.max_new_tokens", args.max_tokens),
+                     ("policy.generation.temperature", args.temperature)):
+        if val is not None:
+            overrides.append(f"{key}={val}")
+    fp8 = {k: v for k, v in (("fp8_recipe", args.fp8_recipe),
+                             ("num_first_layers_in_bf16", args.num_first_layers_in_bf16),
+                             ("num_last_layers_in_bf16", args.num_last_layers_in_bf16)) if v is not None}
+    if args.pow2:
+        fp8.update(pow2_weight_scaling_factors=True, pow2_activation_scaling_factors=True)
+    first = load_config(CONFIGS / ROWS["a"], overrides)
+    model_dir = Path(args.model_dir) if args.model_dir else warm_start(first)
+    task = args.task or first.data.task
+    prompts = task_prompts(model_dir, task, args.prompts)
     t0 = time.perf_counter()
-    table = mismatch_table(model_dir, run_dir=run_dir, prompts=prompts, n=args.n, max_tokens=args.max_tokens,
-                           temperature=args.temperature, seed=args.seed, base=base)
-    print(f"model: {model_dir}; {args.prompts} prompts x n={args.n}, "
-          f"max_tokens={args.max_tokens}, temperature={args.temperature}, first/last BF16 layers "
-          f"{args.num_first_layers_in_bf16}/{args.num_last_layers_in_bf16}, pow2={args.pow2}, "
-          f"FP8 recipe {args.fp8_recipe}")
-    print(format_table(table))
+    table = mismatch_table(model_dir, run_dir=run_dir, prompts=prompts, n=args.n, seed=args.seed,
+                           overrides=overrides, fp8=fp8)
+    table["model_dir"] = str(model_dir)
+    table["settings"] = {"prompts": args.prompts, "task": task, "n": args.n, "seed": args.seed,
+                         "overrides": overrides, "fp8": fp8}
+    table["stamp"] = stamp(argv)
+    text = format_results(table)
+    print(text)
     print(f"(table computed in {time.perf_counter() - t0:.1f}s)")
+    plain = {k: v for k, v in table.items() if k != "scored"}
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
     if args.json:
-        Path(args.json).write_text(json.dumps(table, indent=2))
+        Path(args.json).write_text(json.dumps(plain, indent=2))
     return table
 
 

@@ -1,138 +1,114 @@
 """The MoE mismatch table (issue 14): train/inference mismatch of the tiny dense model vs its Mixture-of-Experts twin,
 BF16 and end-to-end FP8, with routing replay off and on.
 
-For each model and precision one rollout engine samples the same prompts (vLLM, the pipeline's RolloutWorker; MoE
-engines also return each token's experts), then the trainer-side model of the same precision (HF transformers +
-fp8core, FP32 master weights as the tiny recipes' ``policy.precision: float32``; FP8: blockwise experts and linears,
-FP32 router) rescoring every sampled sequence teacher-forced, one sequence per forward:
+Each row is a recipe, and both sides are built from it (as diagnostics/mismatch.py): dense rows
+configs/tiny_bf16.yaml and configs/tiny_fp8_e2e.yaml, MoE rows configs/tiny_moe_bf16.yaml and
+configs/tiny_moe_fp8_e2e.yaml. Per (model, precision) the recipe's rollout engine (the pipeline's RolloutWorker;
+MoE engines also return each token's experts) samples the same prompts once; then the recipe's trainer
+(``PolicyWorker.score``: FP32 masters, FP8 experts and linears for the FP8 recipe, FP32 router) scores them, for MoE
+once with ``policy.router_replay.enabled: false`` and once with ``true``:
 
 * ``token_mult_prob_error`` = mean over response tokens of ``exp(|logp_train - logp_rollout|)`` (1 = identical);
-* ``routing_mismatch_frac`` (MoE) = fraction of the sequences' tokens whose top-k expert set from the trainer's own
-  router differs from the engine's;
+* ``moe/routing_mismatch_frac`` (MoE) = fraction of the sequences' (token, layer) pairs whose top-k expert set from
+  the trainer's own router differs from the engine's, as logged every step;
 * replay on: the trainer routes every token to the engine's experts (fp8core.moe.forced_routing).
 
 Print it with ``.venv/bin/python -m diagnostics.moe_mismatch`` (``--help``); it uses the pipeline's SFT warm starts of
-both models under runs/assets (built there first if missing, as flows/bootstrap.py would).
+both models (the recipes' ``bootstrap.*``; built under runs/assets first if missing, as flows/bootstrap.py would).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
+import cluster.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / vLLM load
 from cluster.env import apply_env
-from configs.schema import standalone_engine_config
-from diagnostics.mismatch import load_trainer_model, mismatch
-from rollout.engine import RolloutWorker
+from configs.schema import Config, load_config
+from diagnostics.mismatch import CONFIGS, ROOT, describe, task_prompts, warm_start
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@torch.no_grad()
-def rescore(model, results: list[dict], *, replay: bool, temperature: float = 1.0) -> tuple[list, list, dict]:
-    """(trainer logprobs per sample, rollout logprobs per sample, routing counts) for ``generate`` results."""
-    from fp8core.moe import forced_routing, routers
-
-    rs = routers(model)
-    train, roll, mis, tok = [], [], 0, 0
-    for r in results:
-        for s in r["samples"]:
-            if not s["token_ids"]:
-                continue
-            seq = list(r["prompt_token_ids"]) + list(s["token_ids"])
-            ids = torch.tensor([seq])
-            routed = s.get("routed_experts")
-            forced = ({layer: routed[:, j].long() for j, (layer, _) in enumerate(rs)}
-                      if replay and routed is not None else None)
-            with forced_routing(model, forced):
-                logits = model(input_ids=ids).logits[0, :-1].float() / temperature
-            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-            train.append(lp[len(r["prompt_token_ids"]) - 1:])
-            roll.append(s["logprobs"])
-            if routed is not None:
-                for j, (_, router) in enumerate(rs):
-                    own = router.last_own_ids.sort(-1).values
-                    mis += int((own != routed[:, j].long().sort(-1).values).any(-1).sum())
-                    tok += own.shape[0]
-    return train, roll, {"mismatch": mis, "tokens": tok}
+RECIPES = {"dense/bf16": "tiny_bf16.yaml", "dense/fp8": "tiny_fp8_e2e.yaml", "moe/bf16": "tiny_moe_bf16.yaml",
+           "moe/fp8": "tiny_moe_fp8_e2e.yaml"}
 
 
-def measure(model_dir: Path, *, fp8: bool, prompts: list[str], run_dir: Path, n: int, max_tokens: int,
-            seed: int) -> dict[str, dict]:
-    """{replay off/on: metrics} for one model and precision (replay only for MoE models)."""
-    cfg = standalone_engine_config(precision="fp8" if fp8 else "bfloat16", kv_cache_memory_bytes=32 << 20,
-                                   max_model_len=256)
-    worker = RolloutWorker(model_dir, cfg, run_dir=run_dir)
+def measure(model_dir: Path, cfg: Config, prompts: list[str], *, run_dir: Path, n: int, seed: int) -> dict[str, dict]:
+    """{replay off/on: metrics} for one recipe (replay only for MoE models): one rollout with routing, scored by
+    the recipe's trainer with ``policy.router_replay.enabled`` false and true."""
+    from configs.schema import config_from_dict
+    from rollout.engine import RolloutWorker
+    from trainer.policy import PolicyWorker
+
+    g = cfg.policy.generation
+    worker = RolloutWorker(model_dir, cfg, run_dir=run_dir / "rollout")
     try:
-        results = worker.generate(prompts, n=n, max_tokens=max_tokens, seed=seed, routing=True)
+        results = worker.generate(prompts, n=n, max_tokens=g.max_new_tokens, temperature=g.temperature,
+                                  top_p=g.top_p, seed=seed, routing=True)
         moe = worker.is_moe
     finally:
         worker.shutdown()
-    model = load_trainer_model(model_dir, fp8=fp8, dtype=torch.float32)
     out = {}
     for replay in ((False, True) if moe else (False,)):
-        train, roll, rc = rescore(model, results, replay=replay)
-        m = mismatch(train, roll)
-        if moe:
-            m["moe/routing_mismatch_frac"] = rc["mismatch"] / max(1, rc["tokens"])
-        out["on" if replay else "off"] = m
+        c = config_from_dict(cfg.to_dict(), [f"policy.router_replay.enabled={str(replay).lower()}"])
+        out["on" if replay else "off"] = PolicyWorker(model_dir, c, run_dir=run_dir).score(results)["metrics"]
     return out
 
 
 def format_table(table: dict) -> str:
-    lines = ["| model | rollout / trainer | routing replay | token_mult_prob_error | max abs Δlogp | "
-             "routing mismatch (tokens x layers) | tokens |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | recipe | rollout / trainer | routing replay | token_mult_prob_error | max abs Δlogp | "
+             "routing mismatch (tokens x layers) | tokens |", "|---|---|---|---|---|---|---|---|"]
     for key, rows in table["rows"].items():
-        model, prec = key.split("/")
+        model = key.split("/")[0]
+        rec = table["recipes"][key]
         for replay, m in rows.items():
             rm = m.get("moe/routing_mismatch_frac")
-            pair = "FP8 / FP8 (fp8core)" if prec == "fp8" else "BF16 / FP32 masters"
-            lines.append(f"| {model} | {pair} | {replay if model == 'moe' else 'n/a'} | "
+            lines.append(f"| {model} | {rec['recipe']} | {rec['describe']} | {replay if model == 'moe' else 'n/a'} | "
                          f"{m['mismatch/token_mult_prob_error']:.4f} | {m['mismatch/max_abs_logp_diff']:.3f} | "
                          f"{'-' if rm is None else f'{rm:.4f}'} | {m['tokens']} |")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description="Print the dense-vs-MoE, BF16/FP8, replay off/on mismatch table")
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "moe_mismatch"))
-    ap.add_argument("--assets-dir", default=str(ROOT / "runs" / "assets"))
+    ap.add_argument("--assets-dir", help="bootstrap.assets_dir of every recipe (default: theirs, runs/assets)")
+    ap.add_argument("--dense-model-dir", help="an HF model dir for the dense rows instead of the SFT warm start")
+    ap.add_argument("--moe-model-dir", help="an HF model dir for the MoE rows instead of the SFT warm start")
+    ap.add_argument("--task", help="embedded task of the prompts (default: the recipes' data.task)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="policy.generation.max_new_tokens of every recipe (default: theirs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--models", default="dense,moe")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override applied to every row (repeatable)")
     ap.add_argument("--json", help="also write the table as JSON here")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
     apply_env(run_dir)
-    from embedded import addition_task
-    from embedded.bootstrap import ADDITION_SPEC, default_sft, ensure_default_assets
-    from embedded.tiny_model import chat_prompt
-
+    overrides = list(args.overrides)
+    for key, val in (("bootstrap.assets_dir", args.assets_dir), ("policy.generation.max_new_tokens", args.max_tokens)):
+        if val is not None:
+            overrides.append(f"{key}={val}")
+    given = {"dense": args.dense_model_dir, "moe": args.moe_model_dir}
     t0 = time.perf_counter()
-    table: dict = {"rows": {}, "models": {}}
+    table: dict = {"rows": {}, "recipes": {}, "models": {}}
     for model in args.models.split(","):
-        model_dir = ensure_default_assets(Path(args.assets_dir), task="addition", sft=default_sft("addition"),
-                                          model=model)["model_dir"]
-        table["models"][model] = str(model_dir)
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        rng = random.Random(1234)
-        prompts = [chat_prompt(tok, addition_task.make_problem(rng, ADDITION_SPEC)["question"])
-                   for _ in range(args.prompts)]
-        for fp8 in (False, True):
-            key = f"{model}/{'fp8' if fp8 else 'bf16'}"
-            table["rows"][key] = measure(model_dir, fp8=fp8, prompts=prompts, run_dir=run_dir / key.replace("/", "-"),
-                                         n=args.n, max_tokens=args.max_tokens, seed=args.seed)
-    print(f"models: {table['models']}; {args.prompts} addition prompts x n={args.n}, max_tokens={args.max_tokens}, "
-          f"temperature 1.0, seed {args.seed}; trainer FP32 masters (FP8: fp8core blockwise), one sequence per "
-          "forward; engine BF16 = our BF16-emulated methods on CPUs without BF16 units")
+        prompts = None
+        for prec in ("bf16", "fp8"):
+            key = f"{model}/{prec}"
+            cfg = load_config(CONFIGS / RECIPES[key], [*overrides, f"run_dir={run_dir / key.replace('/', '-')}"])
+            model_dir = Path(given[model]) if given[model] else warm_start(cfg)
+            table["models"][model] = str(model_dir)
+            if prompts is None:  # the same prompts for both precisions of a model
+                prompts = task_prompts(model_dir, args.task or cfg.data.task, args.prompts)
+            table["recipes"][key] = {"recipe": f"configs/{RECIPES[key]}", "describe": describe(cfg)}
+            table["rows"][key] = measure(model_dir, cfg, prompts, run_dir=Path(cfg.run_dir), n=args.n,
+                                         seed=args.seed)
+    print(f"models: {table['models']}; {args.prompts} prompts x n={args.n}, seed {args.seed}, sampled and scored at "
+          f"each recipe's policy.generation settings; overrides {overrides or '-'}")
     print(format_table(table))
     print(f"(table computed in {time.perf_counter() - t0:.1f}s)")
     if args.json:

@@ -91,3 +91,36 @@ def test_training_through_the_rounding_gets_a_straight_through_gradient():
     k_proj = "model.layers.0.self_attn.k_proj.weight"
     rel = ((rounded[k_proj] - plain[k_proj]).norm() / plain[k_proj].norm()).item()
     assert 0 < rel < 0.2, rel
+
+
+@pytest.mark.slow
+def test_attribution_through_its_entry_point(tmp_path):
+    """``diagnostics.kv_attribution.main`` on the briefly SFT-ed tiny model: engine and trainers built from the FP8-KV
+    recipe, scales calibrated by its trainer on an FP8 rollout without the FP8 KV cache, and the five rows scored
+    on the same sequences (the reference on the calibration rollout)."""
+    import json
+    import random
+    from pathlib import Path
+
+    from diagnostics.kv_attribution import AS_TRAINED, BOTH, K_ONLY, REFERENCE, V_ONLY, format_attribution, main
+    from diagnostics.mismatch import quick_sft_model
+    from embedded.math_task import make_problem
+    from fp8core.cpu import cpu_caps
+
+    model_dir = quick_sft_model(Path(__file__).resolve().parents[2] / "runs" / "test-env" / "models")
+    rng = random.Random(0)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": make_problem(rng)["question"]}) + "\n" for _ in range(8)))
+    table = main(["--model-dir", str(model_dir), "--data", str(data), "--prompts", "4", "--n", "2",
+                  "--max-tokens", "24", "--run-dir", str(tmp_path / "run"), "--json", str(tmp_path / "t.json"),
+                  "--set", "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216"])
+    print("\n" + format_attribution(table))
+    assert json.loads((tmp_path / "t.json").read_text())["rows"] == table["rows"]
+    assert list(table["rows"]) == [REFERENCE, AS_TRAINED, K_ONLY, V_ONLY, BOTH]
+    err = {k: m["mismatch/token_mult_prob_error"] for k, m in table["rows"].items()}
+    tokens = {m["tokens"] for k, m in table["rows"].items() if k != REFERENCE}
+    assert len(tokens) == 1 and table["sequences"] == 8  # the four settings score the same FP8-KV rollout
+    assert all(e >= 1.0 for e in err.values())
+    assert len({err[AS_TRAINED], err[K_ONLY], err[V_ONLY], err[BOTH]}) == 4  # each rounding changes the scores
+    assert table["kv_mode"] == ("fp8-native" if cpu_caps().native_fp8_kv else "fp8-emulated")
+    assert len(table["kv_scales"]["k_scale"]) == 4 and all(0.0 <= f < 0.01 for f in table["saturation"].values())
