@@ -1,4 +1,4 @@
-"""The performance bench of issue 11, one command, one table, measured side by side in one run:
+"""The performance bench: one command, one table, measured side by side in one run:
 
     bash scripts/bench.sh                       # = .venv/bin/python -m bench --trl-python .venv-bench/bin/python
     .venv/bin/python -m bench --skip-trl --skip-steps   # numerics only (~1 min)

@@ -1,5 +1,5 @@
-"""GPU readiness check (issue 11): FP8 GEMMs on the device vs fp8core's CPU emulation, FP8 / BF16 linear speed,
-quantize throughput. Needs only torch (no vLLM, no Transformer Engine); writes one JSON.
+"""GPU readiness check for the performance bench: FP8 GEMMs on the device vs fp8core's CPU emulation, FP8 / BF16
+linear speed, quantize throughput. Needs only torch (no vLLM, no Transformer Engine); writes one JSON.
 
     bash bench/gpu_check.sh                                   # one H200: ~3-5 minutes
     .venv/bin/python bench/gpu_check.py --device cpu --quick --out /tmp/g.json   # the CPU-runnable parts (tests)

@@ -1,4 +1,4 @@
-"""Scaling figures of issue 13: the real flow (``python -m flows.grpo``: Prefect, Ray actors, vLLM, MLflow) for
+"""Scaling figures: the real flow (``python -m flows.grpo``: Prefect, Ray actors, vLLM, MLflow) for
 several worker layouts, one run after the other on the same model, prompts, batch and seed, read back from MLflow.
 
     .venv/bin/python -m bench.scaling --layouts 1+1,2+1,1+2,2+2 --steps 5
@@ -11,7 +11,8 @@ shares the same 2 cores: the figures show the overheads of more workers, not a s
 
 ``--baseline-tree DIR`` also runs the 1+1 layout from another checkout of the project (e.g. the commit before the
 scale-out work), interleaved with this tree's 1+1 runs in ABBA order (baseline, head, head, baseline, ...
-``--repeats`` pairs), and prints this tree's 1+1 step time over the baseline's (the issue's "<= 5% growth" check):
+``--repeats`` pairs), and prints this tree's 1+1 step time over the baseline's (the check that the
+scale-out code adds at most 5% to a 1+1 step):
 the ratio of the medians, and a drift-corrected ratio with its 95% interval (least squares on log step time with a
 run-order trend and a head/baseline term: on these machines step times drifted ~3% per run, which an A B A B order
 would charge to whichever tree runs second). A layout whose flow fails is reported as a failed row (its error

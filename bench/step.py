@@ -1,6 +1,7 @@
 """The project's GRPO step, in one process, phase by phase: refit (policy weights -> vLLM), rollout (vLLM
 generate), reward, train (PolicyWorker.train_step: old-logprob pass + updates). Orchestration (Prefect tasks,
-Ray calls, MLflow) is not in this number: the flow adds it on top (DESIGN.md measured ~0.7% of a step).
+Ray calls, MLflow) is not in this number: the flow adds it on top (measured: ~0.7% of a step;
+every run logs it as ``time/share_orchestration``).
 
     .venv/bin/python -m bench.step configs/tiny_fp8_e2e.yaml --steps 4     # prints JSON
 """

@@ -1,7 +1,7 @@
 """The embedded RL task (``data.task: addition``, the default): multi-digit addition written as a column-by-column
 scratchpad, and its strict verifier. All of it is :class:`AdditionTask`.
 
-Why this task (DESIGN.md, "Facts measured on landed code"): on the one-fact arithmetic task (embedded/math_task.py)
+Why this task (docs/embedded-workload.md): on the one-fact arithmetic task (embedded/math_task.py)
 what GRPO reinforces on one prompt barely transfers to the next, so validation stays flat. Here every problem is
 solved by the same procedure, executed token by token, right to left::
 

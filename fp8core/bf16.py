@@ -1,7 +1,7 @@
 """BF16 numerics without BF16 hardware: BF16-rounded GEMM operands, FP32 accumulation, BF16-rounded results.
 
 Why: on CPUs without BF16 dot-product units (no AVX512_BF16 / AMX-BF16, e.g. AVX2-only machines) torch's BF16
-GEMMs convert element by element and ran ~17x slower than FP32 (DESIGN.md "Facts measured"): a BF16 recipe there
+GEMMs convert element by element and ran ~17x slower than FP32 (measured on an AVX2-only machine): a BF16 recipe there
 would measure the converter, not the model. What a BF16 GEMM computes is fixed by its operands: each input is a BF16
 value, products are accumulated in FP32, the result is rounded to BF16 once. An FP32 GEMM on BF16-*valued* FP32
 tensors computes the same dot products (every BF16 product is exact in FP32; only the FP32 summation order may

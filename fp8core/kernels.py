@@ -18,7 +18,7 @@ build, and the build directory is keyed by kind + source hash + torch version: a
 loads code for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno`` and without ``-ffast-math``
 (which would change the rounding). Build directory: :func:`build_root`. The first build takes ~30 s on a 2-core
 machine; later loads, in any process, ~0.1 s. A builder killed mid-load (torch keeps a ``lock`` file while it
-loads, even with nothing to rebuild) no longer makes later processes wait forever: see :func:`_build_lock`.
+loads, even with nothing to rebuild) does not make later processes wait forever: see :func:`_build_lock`.
 """
 from __future__ import annotations
 

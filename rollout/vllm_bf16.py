@@ -2,7 +2,7 @@
 
 Why: on CPUs without BF16 dot-product units (AVX2-only machines) vLLM's BF16 linears convert element by element;
 the BF16 rollout ran 560 tokens/s there while the FP8 rollout -- whose linears are FP32 GEMMs on dequantized
-operands (rollout/vllm_fp8.py) -- ran 1,100 (DESIGN.md "Facts measured"). A BF16 GEMM's numerics are fixed by its
+operands (rollout/vllm_fp8.py) -- ran 1,100 (measured on an AVX2-only machine). A BF16 GEMM's numerics are fixed by its
 operands: BF16 inputs, FP32 accumulation, one rounding of the result to BF16. With the engine in ``dtype=bfloat16``
 the activations reaching a linear are already BF16; this method keeps each weight as an FP32 tensor holding its
 BF16 rounding (``fp8core.bf16.round_bf16``, torch's round-to-nearest-even cast -- the value vLLM's own BF16 weight

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One command for the performance bench (issue 11): python -m bench in the project venv; the TRL peer runs in
-# .venv-bench (TRL + accelerate only, layered over .venv's packages), created here on first use.
+# One command for the performance bench (its ratios: bench/__main__.py): python -m bench in the project venv; the TRL
+# peer runs in .venv-bench (TRL + accelerate only, layered over .venv's packages), created here on first use.
 #   bash scripts/bench.sh                 # full table: numerics, project steps (BF16 reference, FP8 e2e), TRL step
 #   bash scripts/bench.sh --skip-trl      # without the TRL peer
 set -euo pipefail

@@ -1,5 +1,5 @@
-"""bench: the table computes the issue's ratios from the measured times; the numerics sections run; the
-workload picks the flow's prompts (same selection rule as data.loading.PromptSource)."""
+"""bench: the table computes its ratios (P1, P3, throughput shares) from the measured times; the numerics sections
+run; the workload picks the flow's prompts (same selection rule as data.loading.PromptSource)."""
 import pytest
 
 import bench.__main__ as B

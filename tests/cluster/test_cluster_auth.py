@@ -1,4 +1,4 @@
-"""Ray token authentication (issue 13, item 6): every Ray the project starts requires Ray's token; the token file is
+"""Ray token authentication: every Ray the project starts requires Ray's token; the token file is
 random, mode 0600, under the run (or stack) dir, never $HOME; ``ray.address`` clusters need the user's token path.
 
 The refusal test runs the Ray head and every client in separate processes: Ray caches the token per process."""

@@ -1,4 +1,4 @@
-"""Rollout fan-out and placement (issue 13, items 1 and 3): how a step's prompt groups are split over the engines,
+"""Rollout fan-out and placement: how a step's prompt groups are split over the engines,
 the placement-group bundles, and the cluster.* keys that configure them."""
 from pathlib import Path
 

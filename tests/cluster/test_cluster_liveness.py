@@ -1,4 +1,4 @@
-"""Which trainer ranks are lost after a step error (issue 13, item 5), with real Ray actors: a rank's process is
+"""Which trainer ranks are lost after a step error, with real Ray actors: a rank's process is
 SIGKILLed while the error the flow sees is another rank's plain RuntimeError (gloo "connection reset"), which is no
 actor error. ``cluster.runtime.lost_trainers`` must still name the dead rank, and only it."""
 import os

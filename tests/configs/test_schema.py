@@ -47,7 +47,7 @@ def test_gpu_recipes_validate(name):
     assert cfg.policy.megatron_cfg.fp8_cfg.fp8_recipe == "blockwise"
     assert cfg.cluster.gpus_per_node == 8 and cfg.checkpointing.checkpoint_dir.startswith("s3://")
     assert (cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt) % cfg.policy.train_global_batch_size == 0
-    # the layout the recipes state (issue 13, item 3): 4 engines + 4 sharded trainers, one GPU each, on the 8 GPUs
+    # the layout the multi-GPU recipes state: 4 engines + 4 sharded trainers, one GPU each, on the 8 GPUs
     c, r = cfg.cluster, cfg.ray
     assert (c.rollout_workers, c.policy_workers, r.rollout_worker.num_gpus, r.policy_worker.num_gpus) == (4, 4, 1, 1)
     assert c.rollout_workers * r.rollout_worker.num_gpus + c.policy_workers * r.policy_worker.num_gpus == 8

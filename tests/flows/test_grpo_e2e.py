@@ -58,7 +58,7 @@ def test_tiny_fp8_two_steps_then_resume_from_s3(tmp_path, moto_s3, capsys):
     assert run.data.tags["recipe"] == "tiny_fp8_e2e_kv" and run.data.tags["precision"] == "fp8-e2e-kvfp8"
     assert run.data.params["policy.megatron_cfg.fp8_cfg.fp8_recipe"] == "blockwise"
     assert run.data.params["policy.generation.vllm_cfg.kv_cache_dtype"] == "fp8"
-    # FP8 KV on every CPU: vLLM's native cache where it has AVX-512/AMX, the emulated one elsewhere (issue 9)
+    # FP8 KV on every CPU: vLLM's native cache where it has AVX-512/AMX, the emulated one elsewhere (docs/cpu-kinds.md)
     caps = cpu_caps()
     assert run.data.params["cpu/kind"] == caps.kind and run.data.params["cpu/model"] == caps.model
     assert run.data.tags["rollout/kv_mode"] == ("fp8-native" if caps.native_fp8_kv else "fp8-emulated")

@@ -1,4 +1,4 @@
-"""End to end on Mixture-of-Experts (issue 14): the tiny Qwen3-MoE end-to-end FP8 recipe with routing replay runs 2
+"""End to end on Mixture-of-Experts: the tiny Qwen3-MoE end-to-end FP8 recipe with routing replay runs 2
 RL steps through the real pipeline -- Prefect flow, Ray actors (PolicyWorker: FP8 experts + FP32 router, replaying
 the engine's experts; RolloutWorker: vLLM with our FP8 MoE method, returning each token's experts), MLflow on
 sqlite, a local checkpoint -- and logs the moe/* metrics every step."""

@@ -1,4 +1,4 @@
-"""Cancel and cleanup (issue 13, item 5): SIGTERM to ``python -m flows.grpo`` stops the run within 30 s with every
+"""Cancel and cleanup: SIGTERM to ``python -m flows.grpo`` stops the run within 30 s with every
 process it started gone (Ray, its actors and their in-process vLLM engines, the run's temporary Prefect server) and
 the last complete checkpoint intact; after ``kill -9`` of the driver alone, the run's watchdog
 (cluster/watchdog.py) ends everything the driver had started; ``prefect flow-run cancel`` of a deployment run on the

@@ -1,4 +1,4 @@
-"""Rollout fan-out (issue 13, item 1) end to end: ``cluster.rollout_workers=2`` runs two vLLM engines in the run's
+"""Rollout fan-out end to end: ``cluster.rollout_workers=2`` runs two vLLM engines in the run's
 placement group; every step refits both from one object in Ray's object store, splits the prompt groups over them,
 and trains on the gathered rollouts; validation fans out too. On the 2-core test machine this is a correctness run
 (1-2 tiny steps), not a speed measurement."""

@@ -1,4 +1,4 @@
-"""Worker faults (issue 13 item 5), through ``python -m flows.grpo`` with real Ray actors, vLLM engines and MLflow:
+"""Worker faults, through ``python -m flows.grpo`` with real Ray actors, vLLM engines and MLflow:
 
 - a rollout engine SIGKILLed mid-rollout: Ray restarts it, the step waits and redoes refit + rollout, the run
   finishes, and every step's metrics are logged once and equal those of the same run without the fault (same

@@ -1,4 +1,4 @@
-"""A real multi-node path on one machine (issue 13, item 4): ``scripts/cluster`` starts a Ray head and a worker node as
+"""A real multi-node path on one machine: ``scripts/cluster`` starts a Ray head and a worker node as
 separate ``ray start`` processes with token authentication; ``python -m flows.grpo`` connects with ``ray.address``
 and ``ray.auth_token_path`` and runs 2 rollout engines + 2 data-parallel trainers spread over the two nodes (the
 head has room for one engine + one trainer), writes a checkpoint and MLflow metrics; a second run resumes from that

@@ -1,4 +1,4 @@
-"""Reliability (issue 6): a run SIGKILLed after its first checkpoint resumes at the next step in the same MLflow run
+"""Reliability: a run SIGKILLed after its first checkpoint resumes at the next step in the same MLflow run
 with a continuous step counter, ignoring checkpoints without a manifest; storage errors while writing a checkpoint
 are retried and a write that keeps failing leaves nothing resume would load; bad input fails with a clear error
 naming the problem before any worker starts.

@@ -33,7 +33,7 @@ def test_stack_status_reports_all_services(stack):
     for name in ("mlflow", "prefect-server", "worker"):
         assert st["services"][name]["running"] and st["services"][name]["healthy"], st
     assert st["prefect_api_url"].startswith("http://127.0.0.1:") and st["mlflow_url"].startswith("http://127.0.0.1:")
-    # flow runs inherit the worker's environment: Ray token auth with the stack's 0600 token file (issue 13)
+    # flow runs inherit the worker's environment: Ray token auth with the stack's 0600 token file
     from _ops import proc_env
 
     token = stack["run_dir"] / "ray_auth_token"

@@ -1,4 +1,4 @@
-"""Data-parallel trainers (issue 13, item 2): ``cluster.policy_workers=2`` FSDP2-sharded PolicyWorkers -- Ray actors
+"""Data-parallel trainers: ``cluster.policy_workers=2`` FSDP2-sharded PolicyWorkers -- Ray actors
 in one gloo process group, started as the pipeline starts them (cluster.runtime.start_policy_workers) -- against one
 worker on the same batch.
 

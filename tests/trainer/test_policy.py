@@ -151,8 +151,8 @@ def test_checkpoint_resume_is_deterministic(model_dir, tmp_path):
 
 
 def test_train_lr_metric_is_the_lr_the_updates_used(model_dir):
-    # warmup_steps=2: the first RL step's updates run at lr/2, the second at lr; the metric must say so (it used to
-    # report the already-advanced LR of the next step).
+    # warmup_steps=2: the first RL step's updates run at lr/2, the second at lr; the metric must say so, not
+    # the already-advanced LR of the next step.
     w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", "policy.scheduler.warmup_steps": 2}))
     rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
     assert w.train_step(_rollouts(w), rewards, step=1)["train/lr"] == pytest.approx(5e-4)
