@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", help="also write the table as JSON here")
     ap.add_argument("--out", default=str(RESULTS), help="the Markdown results file ('' = none)")
     args = ap.parse_args(argv)
+    origin = stamp(argv)  # the code that runs: the tree as it is now, before the (minutes of) measurement
     run_dir = Path(args.run_dir)
     apply_env(run_dir)
     overrides = list(args.overrides)
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     table["model_dir"] = str(model_dir)
     table["settings"] = {"prompts": args.prompts, "task": task, "n": args.n, "seed": args.seed,
                          "overrides": overrides, "fp8": fp8}
-    table["stamp"] = stamp(argv)
+    table["stamp"] = origin
     text = format_results(table)
     print(text)
     print(f"(table computed in {time.perf_counter() - t0:.1f}s)")
