@@ -2,7 +2,10 @@
 
 A split is any file with a question column and an answer column (names configurable: GSM8K's ``question`` /
 ``answer`` or OpenMathInstruct-2's ``problem`` / ``expected_answer``). Loading fails early with an error naming the
-file (missing, unreadable, unknown format) or the column (absent, with the columns that exist).
+file (missing, unreadable, unknown format) or the column (absent, with the columns that exist). In a JSON-lines file
+the error also names the line: ``<file>:<line>: <what is wrong>`` for a line that is not valid JSON or not an object,
+and for a line without (or with a null) question / answer key. The lines are scanned only when ``datasets`` could not
+read the file or a column is absent or has a null, so a good file is parsed once.
 
 Prompt order is a pure function of (seed, step): ``step_indices`` draws from a per-epoch permutation, so a run resumed
 at step s sees exactly the prompts an uninterrupted run would have seen.
@@ -10,9 +13,12 @@ at step s sees exactly the prompts an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +52,73 @@ def _format_of(path: str) -> str:
     raise DataError(f"{path}: unknown dataset format (expected one of {', '.join(_FORMATS)})")
 
 
+@contextmanager
+def _datasets_json_logger_off() -> Iterator[None]:
+    """``datasets``' JSON builder logs its pyarrow error (``Failed to load JSON ... in row 4``) before raising; the
+    DataError raised instead names the file and line, so that log record is dropped while one file is read."""
+    logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _json_lines_error(local: str, path: str, keys: Mapping[str, str]) -> DataError | None:
+    """The first problem in the JSON-lines file ``local`` (named ``path`` in the message), as ``<path>:<line>: ...``:
+    bytes that are not UTF-8, a line that is not valid JSON or not an object, a line without (or with a null) one of
+    ``keys`` ({role: column}). A file that starts with ``[`` is one JSON document: its parse error's line. None when
+    nothing is wrong line by line."""
+    with open(local, "rb") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith(b"["):
+        try:
+            json.loads(Path(local).read_bytes())
+        except json.JSONDecodeError as e:
+            return DataError(f"{path}:{e.lineno}: not valid JSON: {e.msg} (column {e.colno})")
+        except UnicodeDecodeError as e:
+            return DataError(f"{path}: not UTF-8 text: {e.reason} at byte {e.start}")
+        return None
+    with open(local, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")  # a column past the end names the line's end, not 1
+            except UnicodeDecodeError as e:
+                return DataError(f"{path}:{n}: not UTF-8 text: {e.reason} at byte {e.start} of the line")
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                return DataError(f"{path}:{n}: not valid JSON: {e.msg} (column {e.colno})")
+            if not isinstance(row, dict):
+                return DataError(f"{path}:{n}: not a JSON object (a {type(row).__name__}); each line must be one row")
+            for role, col in keys.items():
+                if col not in row:
+                    return DataError(f"{path}:{n}: no {role} key {col!r} (set data.{role}_key); keys on this line: "
+                                     f"{sorted(row)}")
+                if row[col] is None:
+                    return DataError(f"{path}:{n}: {role} key {col!r} is null")
+    return None
+
+
+def _check_columns(ds, local: str, path: str, fmt: str, keys: Mapping[str, str]) -> None:
+    """Both columns present and without nulls (a JSON line without the key reads as a null): else a DataError naming
+    the file, the column and, for JSON lines, the line."""
+    for role, col in keys.items():
+        nulls = ds.data.column(col).null_count if col in ds.column_names else None
+        if nulls == 0:
+            continue
+        if fmt == "json" and (line_error := _json_lines_error(local, path, keys)) is not None:
+            raise line_error
+        key = f"data.{role}_key"
+        if nulls is None:
+            raise DataError(f"{path}: no {role} column {col!r} (set {key}); columns present: {ds.column_names}")
+        first = next(i for i, v in enumerate(ds[col]) if v is None)
+        raise DataError(f"{path}: row {first}: {role} column {col!r} is null ({nulls} null rows)")
+
+
 def load_split(path: str, *, question_key: str = "question", answer_key: str = "answer",
                endpoint_url: str | None = None):
     """Load one split as a ``datasets.Dataset`` with (at least) the two named columns.
@@ -70,18 +143,18 @@ def load_split(path: str, *, question_key: str = "question", answer_key: str = "
             fs.get(remote, local)
         elif not Path(local).is_file():
             raise DataError(f"{path}: dataset file not found")
+        keys = {"question": question_key, "answer": answer_key}
         try:
             reader = datasets.Dataset.from_json if fmt == "json" else datasets.Dataset.from_parquet
-            ds = reader(local, keep_in_memory=True)
-        except Exception as e:  # noqa: BLE001 - re-raised with the file name
-            raise DataError(f"{path}: cannot read as {fmt}: {type(e).__name__}: {e}") from e
+            with _datasets_json_logger_off():
+                ds = reader(local, keep_in_memory=True)
+        except Exception as e:  # noqa: BLE001 - re-raised with the file name (and line)
+            line_error = _json_lines_error(local, path, keys) if fmt == "json" else None
+            raise (line_error or DataError(f"{path}: cannot read as {fmt}: {type(e).__name__}: {e}")) from e
+        _check_columns(ds, local, path, fmt, keys)
     finally:
         if tmpdir is not None:
             tmpdir.cleanup()
-    for role, col in (("question", question_key), ("answer", answer_key)):
-        if col not in ds.column_names:
-            key = "data.question_key" if role == "question" else "data.answer_key"
-            raise DataError(f"{path}: no {role} column {col!r} (set {key}); columns present: {ds.column_names}")
     if len(ds) == 0:
         raise DataError(f"{path}: dataset is empty")
     return ds

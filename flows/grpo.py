@@ -4,7 +4,8 @@
 
 Order: load + validate the recipe (bad keys/types/combinations fail here) -> the CPU line (fp8core.cpu.describe) ->
 embedded assets (bootstrap subflow) when the recipe says ``embedded`` -> the rollout KV-cache check against the
-model's head size and the CPU (cluster.runtime.check_rollout_kv) -> load the datasets (missing file/column fails here, before any worker starts) -> Ray
+model's head size and the CPU (cluster.runtime.check_rollout_kv) -> load the datasets (missing file/column, malformed
+line fails here, before any worker starts) -> Ray
 (a local single-node Ray, or ``ray.address``) + the PolicyWorker and RolloutWorker actors -> resume from the latest
 complete checkpoint (``checkpointing.resume``: same MLflow run, step counter continues) -> validation at step 0 ->
 ``rl_step`` subflows, validation every ``grpo.val_period`` steps, checkpoints every ``checkpointing.save_period``
@@ -12,11 +13,18 @@ steps and at the end -> summary + plot in MLflow; the terminal gets one line per
 MLflow run and the checkpoint are.
 
 Parameters are the recipe path and override strings only (deployment-friendly); the flow returns a small summary.
+
+From the command line a bad recipe or data file stops the run before any worker starts with one line on stderr and
+exit status 2: ``config error: policy.optimizer.lr: must be > 0, got -1.0`` or
+``data error: data/train.jsonl:5: not valid JSON: Expecting ',' delimiter (column 35)`` (file, line, what is wrong).
+``FP8GRPO_DEBUG=1`` in the environment shows the full traceback instead.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import signal
 import sys
 import time
@@ -465,13 +473,31 @@ def _final_lines(s: dict) -> str:
     return "\n".join(lines)
 
 
+DEBUG_ENV = "FP8GRPO_DEBUG"  # =1: config / data errors raise with their traceback instead of one line
+
+
+class _DropErrors(logging.Filter):
+    """Drops a log record carrying one of ``types`` as its exception: Prefect logs a failing flow's exception with
+    its traceback; the CLI prints those errors as one line itself."""
+
+    def __init__(self, types: tuple[type[BaseException], ...]):
+        super().__init__()
+        self.types = types
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], self.types))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
     from configs.schema import ConfigError
+    from data.loading import DataError
     from fp8core.cpu import apply_cpu_cap
+
+    debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
     try:
         cfg = load_config(argv[0], argv[1:])  # fail fast with the dotted path, before Prefect starts its server
@@ -486,12 +512,25 @@ def main(argv: list[str] | None = None) -> int:
         # does not patch its process (it may be a long-lived one); the actors always apply the cap themselves.
         apply_cpu_cap()
     except (ConfigError, ValueError) as e:
+        if debug:
+            raise
         print(f"config error: {e}", file=sys.stderr)
         return 2
     # SIGTERM -> SystemExit: the flow's cleanup runs (Prefect turns the signal into TerminationSignal inside the
     # flow, then re-sends it to this handler), atexit handlers run (Prefect's temporary server is stopped)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    grpo(argv[0], argv[1:])
+    # Errors the flow finds before any worker starts (a data file, the KV-cache check, a prompt file): one line too
+    one_line = (DataError, ConfigError)
+    if not debug:
+        for name in ("prefect.flow_runs", "prefect.task_runs"):
+            logging.getLogger(name).addFilter(_DropErrors(one_line))
+    try:
+        grpo(argv[0], argv[1:])
+    except one_line as e:
+        if debug:
+            raise
+        print(f"{'data' if isinstance(e, DataError) else 'config'} error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -29,19 +29,59 @@ def test_local_jsonl_parquet_and_file_url(tmp_path):
 
 
 def test_errors_name_file_and_column(tmp_path):
-    jl, _ = _write(tmp_path)
+    jl, pq = _write(tmp_path)
     with pytest.raises(DataError, match=r"missing\.jsonl: dataset file not found"):
         load_split(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(DataError, match=r"d\.jsonl: no answer column 'answer' \(set data\.answer_key\).*expected_answer"):
+    with pytest.raises(DataError, match=r"d\.jsonl:1: no answer key 'answer' \(set data\.answer_key\); keys on this "
+                                        r"line: \['expected_answer', 'problem'\]$"):
         load_split(str(jl), question_key="problem", answer_key="answer")
-    with pytest.raises(DataError, match=r"no question column 'question'"):
+    with pytest.raises(DataError, match=r"d\.jsonl:1: no question key 'question'"):
         load_split(str(jl), answer_key="expected_answer")
+    with pytest.raises(DataError, match=r"d\.parquet: no answer column 'answer' \(set data\.answer_key\).*expected_answer"):
+        load_split(str(pq), question_key="problem", answer_key="answer")
     with pytest.raises(DataError, match=r"d\.csv: unknown dataset format"):
         load_split(str(tmp_path / "d.csv"))
     bad = tmp_path / "bad.parquet"
     bad.write_text("not parquet")
     with pytest.raises(DataError, match=r"bad\.parquet: cannot read as parquet"):
         load_split(str(bad))
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('{"problem": "What is 4 plus 1?", "expected_answer": "5"', "not valid JSON: Expecting ',' delimiter (column 56)"),
+    ('["What is 4 plus 1?", "5"]', "not a JSON object (a list); each line must be one row"),
+    ('{"problem": "What is 4 plus 1?"}', "no answer key 'expected_answer' (set data.answer_key); keys on this line: "
+                                         "['problem']"),
+    ('{"problem": "What is 4 plus 1?", "expected_answer": null}', "answer key 'expected_answer' is null"),
+])
+def test_a_bad_jsonl_line_is_named_by_file_and_line_number(tmp_path, line, needle):
+    """One bad line among good ones (a blank line before it counts): the error is ``<file>:<line>: <what>``, for
+    local paths and file:// URLs alike."""
+    lines = [json.dumps(r) for r in ROWS]
+    lines[3], lines[4] = "", line  # line 5 of the file
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    for name in (str(path), f"file://{path}"):
+        with pytest.raises(DataError) as e:
+            load_split(name, question_key="problem", answer_key="expected_answer")
+        assert str(e.value) == f"{name}:5: {needle}"
+
+
+def test_bad_bytes_json_document_and_parquet_nulls_are_located(tmp_path):
+    import pandas as pd
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_bytes(json.dumps(ROWS[0]).encode() + b"\n\xff\xfe\n")
+    with pytest.raises(DataError, match=r"raw\.jsonl:2: not UTF-8 text"):
+        load_split(str(raw), question_key="problem", answer_key="expected_answer")
+    doc = tmp_path / "doc.json"  # one JSON document, not JSON lines: its parse error's line
+    doc.write_text("[" + json.dumps(ROWS[0]) + ",\n" + json.dumps(ROWS[1])[:-1] + "\n]")
+    with pytest.raises(DataError, match=r"doc\.json:3: not valid JSON"):
+        load_split(str(doc), question_key="problem", answer_key="expected_answer")
+    pq = tmp_path / "nulls.parquet"
+    pd.DataFrame({"question": ["a", "b", None], "answer": ["1", "2", "3"]}).to_parquet(pq)
+    with pytest.raises(DataError, match=r"nulls\.parquet: row 2: question column 'question' is null \(1 null rows\)"):
+        load_split(str(pq))
 
 
 def test_step_indices_deterministic_and_resumable():

@@ -66,7 +66,7 @@ def test_bad_sets_fail_naming_the_key(tmp_path):
     bad.write_text(json.dumps({"problem": "1+1", "solution": "2"}) + "\n")
     cfg = _cfg(tmp_path, {"name": "ok", "path": "embedded:digits4", "max_samples": 5},
                {"name": "cols", "path": str(bad), "question_key": "problem"})
-    with pytest.raises(DataError, match=r"^evaluation\.sets\[1\]\.path: .*no answer column 'answer' "
+    with pytest.raises(DataError, match=r"^evaluation\.sets\[1\]\.path: .*cols\.jsonl:1: no answer key 'answer' "
                                         r"\(set evaluation\.sets\[1\]\.answer_key\)"):
         load_eval_sets(cfg)
     for sets, key in [([{"name": "main", "path": "a.jsonl"}], "evaluation.sets[0].name"),

@@ -44,9 +44,19 @@ def test_missing_dataset_file_and_column_fail_before_workers(tmp_path):
         grpo(RECIPE, base + [f"data.train_path={tmp_path}/nope.jsonl", f"data.validation_path={tmp_path}/nope.jsonl"])
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
-    with pytest.raises(DataError, match=r"rows\.jsonl: no answer column 'answer'"):
+    with pytest.raises(DataError, match=r"rows\.jsonl:1: no answer key 'answer'"):
         grpo(RECIPE, base + [f"data.train_path={rows}", f"data.validation_path={rows}"])
     assert not ray.is_initialized()
+
+
+def test_debug_switch_shows_the_traceback_instead_of_one_line(monkeypatch, capsys):
+    from configs.schema import ConfigError
+
+    assert main([RECIPE, "policy.optimizer.lr=-1"]) == 2
+    assert capsys.readouterr().err == "config error: policy.optimizer.lr: must be > 0, got -1.0\n"
+    monkeypatch.setenv("FP8GRPO_DEBUG", "1")
+    with pytest.raises(ConfigError, match=r"policy\.optimizer\.lr: must be > 0"):
+        main([RECIPE, "policy.optimizer.lr=-1"])
 
 
 def test_kv_cache_impl_key_is_validated(capsys):

@@ -171,3 +171,44 @@ def test_flow_rejects_bad_dataset_before_workers(case, stack, tmp_path):
     out = r.stdout + r.stderr
     assert needle in out, out[-3000:]
     assert "workers up" not in out and not workers
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["malformed_line", "missing_key"])
+def test_cli_prints_one_line_for_a_bad_data_file(case, tmp_path):
+    """A data file with one malformed JSON line / one line without the answer key: ``python -m flows.grpo`` (its own
+    temporary Prefect server, no stack) exits 2 with exactly one line on stderr -- ``data error: <file>:<line>: <what
+    is wrong>``, no traceback -- and neither Ray nor a worker process appears while it runs."""
+    mark = uuid.uuid4().hex
+    lines = [json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) for i in range(8)]
+    if case == "malformed_line":
+        lines[4] = lines[4][:-1]  # the closing brace lost on line 5
+        what = ":5: not valid JSON: Expecting ',' delimiter (column 35)"
+    else:
+        lines[2] = json.dumps({"question": "2+1?", "solution": "3"})
+        what = ":3: no answer key 'answer' (set data.answer_key); keys on this line: ['question', 'solution']"
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(lines) + "\n")
+    cmd = [sys.executable, "-m", "flows.grpo", "configs/tiny_fp8_e2e.yaml", *TINY, f"run_dir={tmp_path / 'r'}",
+           f"data.train_path={train}", f"data.validation_path={train}", "logger.mlflow_enabled=false"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(None, mark), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    seen: set[str] = set()  # command lines of Ray's processes (raylet, gcs_server, ray:: workers) while it runs
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        for p in processes_with_env(MARK, mark):
+            try:
+                cmdline = Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+            except OSError:
+                continue
+            if "ray::" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline:
+                seen.add(cmdline[:200])
+        time.sleep(0.2)
+    if proc.poll() is None:
+        proc.kill()
+    out, err = proc.communicate()
+    kill_marked(MARK, mark)
+    assert proc.returncode == 2, out[-3000:] + err[-3000:]
+    assert err.splitlines() == [f"data error: {train}{what}"], err[-3000:]
+    assert "workers up" not in out and not seen, (out[-3000:], seen)
