@@ -90,8 +90,9 @@ def test_bad_sets_fail_naming_the_key(tmp_path):
 
 
 def test_set_metrics_and_fault():
+    from cluster.faults import TestHooks
     from tasks.context import EvalParams
-    from tasks.rl import _fault, _set_metrics
+    from tasks.rl import _set_metrics
 
     ev = EvalParams(n=4, ks=(1, 4), max_prompts=2, n_boot=500, sets=("x",))
     recs = [{"correct": True, "format_valid": True, "response_tokens": 10, "samples_correct": [1, 0, 0, 0],
@@ -109,6 +110,7 @@ def test_set_metrics_and_fault():
     assert m["val/x/sampled_prompts"] == 2 and m["val/x/sampled_format_valid"] == pytest.approx(7 / 8)
     assert "val/x/pass_at_4" not in _set_metrics("val/x/", recs, ev, sampled=False)
     correct = [True] * 40 + [False] * 60
-    flipped = _fault(correct, 0.05, seed=3)
+    hooks = TestHooks(val_accuracy_drop=0.05)
+    flipped = hooks.degraded(correct, seed=3)
     assert len(flipped) == 5 and all(correct[i] for i in flipped)  # exactly 5 points of 100, only correct ones
-    assert _fault(correct, 0.05, seed=3) == flipped
+    assert hooks.degraded(correct, seed=3) == flipped
