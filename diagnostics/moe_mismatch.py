@@ -1,4 +1,4 @@
-"""The MoE mismatch table (issue 14): train/inference mismatch of the tiny dense model vs its Mixture-of-Experts twin,
+"""The MoE mismatch table: train/inference mismatch of the tiny dense model vs its Mixture-of-Experts twin,
 BF16 and end-to-end FP8, with routing replay off and on.
 
 Each row is a recipe, and both sides are built from it (as diagnostics/mismatch.py): dense rows

@@ -271,7 +271,7 @@ def _without_logprobs(rollouts: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 def test_rollout_refuses_an_engine_that_missed_the_refit(worker, checkpoint, prompts):
-    """Fan-out (issue 13): each rollout names the policy step it needs; an engine holding other weights refuses before
+    """Fan-out: each rollout names the policy step it needs; an engine holding other weights refuses before
     generating, and the same split over engines gives the same samples as one call (per-prompt seeds): the same
     tokens, texts and finish reasons. Their logprobs agree to 2e-2 (absolute), not bit for bit: vLLM's CPU kernels
     are not batch-invariant on every CPU -- on an AVX2-only EPYC a batch of 2 prompts and two batches of 1 gave

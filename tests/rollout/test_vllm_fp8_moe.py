@@ -1,4 +1,4 @@
-"""FP8 on the tiny Qwen3-MoE through the pipeline's refit path (issue 14): after a real trainer update and
+"""FP8 on the tiny Qwen3-MoE through the pipeline's refit path: after a real trainer update and
 ``PolicyWorker.refit_weights()`` -> ``RolloutWorker.refit``, the engine's experts hold the trainer's FP8 codes and
 scales bit for bit (each expert's gate / up / down, 128x128 blocks), each expert layer's output for the same inputs
 and routing is bit-identical to the trainer's, the router is FP32 on both sides and routes the same, the whole
