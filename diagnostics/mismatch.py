@@ -24,11 +24,8 @@ writes the table to docs/results/mismatch.md, stamped with the commit, date, CPU
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import random
-import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -38,11 +35,12 @@ import cluster.quiet  # noqa: F401  third-party start-up noise off before torch 
 from cluster.env import apply_env
 from configs.schema import Config, load_config
 from fp8core.linear import RECIPES
+from tools.results import add_results_doc_args, format_result, results_doc, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 ROWS = {"a": "tiny_bf16.yaml", "b": "tiny_fp8_rollout.yaml", "c": "tiny_fp8_e2e.yaml", "d": "tiny_fp8_e2e_kv.yaml"}
-RESULTS = ROOT / "docs" / "results" / "mismatch.md"
+TITLE = "Train/inference mismatch per recipe: results"
 
 
 def quick_sft_model(root: str | Path, *, steps: int = 12, batch_size: int = 8, lr: float = 3e-3,
@@ -207,46 +205,21 @@ def format_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-
-
-def stamp(argv: Sequence[str]) -> dict:
-    """Where a table comes from: commit (+dirty and the changed tracked files), UTC date, CPU, command line."""
-    from fp8core.cpu import cpu_caps
-
-    try:
-        commit = _git("rev-parse", "--short", "HEAD").strip()
-        changed = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    except (OSError, subprocess.CalledProcessError):
-        commit, changed = "unknown", []
-    caps = cpu_caps()
-    exe = Path(sys.executable)
-    exe = exe.relative_to(ROOT) if exe.is_relative_to(ROOT) else exe  # .venv/bin/python (not its resolved target)
-    return {"commit": commit + ("+dirty" if changed else ""), "dirty_files": changed,
-            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "cpu_kind": caps.kind, "cpu_model": caps.model,
-            "command": shlex.join([str(exe), "-m", "diagnostics.mismatch", *argv])}
+NOTE = ("What each row measures: [the FP8 contract](../fp8-contract.md#the-mismatch-measured-every-step) and "
+        "diagnostics/mismatch.py's docstring: each row's engine and trainer are built from its recipe, the trainer "
+        "scores with `PolicyWorker.score` (the forward it trains with).")
 
 
 def format_results(table: dict) -> str:
-    """docs/results/mismatch.md: the stamp, the settings and the table."""
-    st, s = table["stamp"], table["settings"]
-    dirty = f" (uncommitted changes in {', '.join(st['dirty_files'])})" if st["dirty_files"] else ""
-    lines = ["# Train/inference mismatch per recipe: results", "",
-             "Written by `.venv/bin/python -m diagnostics.mismatch`; the next run of that command overwrites this file.",
-             "", "What each row measures: [the FP8 contract](../fp8-contract.md#the-mismatch-measured-every-step) and "
-             "diagnostics/mismatch.py's docstring: each row's engine and trainer are built from its recipe, the "
-             "trainer scores with `PolicyWorker.score` (the forward it trains with).", "",
-             f"- commit: `{st['commit']}`{dirty}", f"- date: {st['date']}",
-             f"- CPU: {st['cpu_model']} (kind `{st['cpu_kind']}`)", f"- command: `{st['command']}`",
-             f"- model: `{table['model_dir']}`; {s['prompts']} {s['task']} prompts x n={s['n']}, seed {s['seed']}; "
-             f"sampling and scoring at each recipe's policy.generation settings", ""]
+    """docs/results/mismatch.md: the stamp (tools.results), the settings and the table."""
+    s = table["settings"]
+    model = (f"- model: `{table['model_dir']}`; {s['prompts']} {s['task']} prompts x n={s['n']}, seed {s['seed']}; "
+             f"sampling and scoring at each recipe's policy.generation settings")
+    body = [format_table(table)]
     if s["overrides"] or s["fp8"]:
-        lines += [f"- overrides (every row): `{' '.join(s['overrides']) or '-'}`; FP8 settings: `{s['fp8'] or '-'}`",
-                  ""]
-    lines += [format_table(table), ""]
-    return "\n".join(lines)
+        body.insert(0, f"- overrides (every row): `{' '.join(s['overrides']) or '-'}`; FP8 settings: "
+                       f"`{s['fp8'] or '-'}`\n")
+    return format_result(TITLE, "\n".join(body), table["stamp"], note=NOTE, details=[model])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -274,9 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="a recipe override applied to every row (repeatable), e.g. "
                          "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216")
     ap.add_argument("--json", help="also write the table as JSON here")
-    ap.add_argument("--out", default=str(RESULTS), help="the Markdown results file ('' = none)")
+    add_results_doc_args(ap, "mismatch", "--out")
     args = ap.parse_args(argv)
-    origin = stamp(argv)  # the code that runs: the tree as it is now, before the (minutes of) measurement
+    origin = stamp("diagnostics.mismatch", argv)  # the code that runs: the tree now, before the (minutes of) measurement
     run_dir = Path(args.run_dir)
     apply_env(run_dir)
     overrides = list(args.overrides)
@@ -305,8 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(text)
     print(f"(table computed in {time.perf_counter() - t0:.1f}s)")
     plain = {k: v for k, v in table.items() if k != "scored"}
-    if args.out:
-        out = Path(args.out)
+    out = results_doc(args)
+    if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
     if args.json:

@@ -18,6 +18,8 @@ _ENV = {
     "PREFECT_HOME": _ROOT / "prefect",
     "PREFECT_SERVER_MEMO_STORE_PATH": _ROOT / "prefect" / "memo_store.toml",
     "RAY_TMPDIR": Path("/tmp") / f"ray-fp8grpo-{os.getuid()}",
+    # result files a command writes by default (tools.results): here, never over the published docs/results/
+    "FP8GRPO_RESULTS_DIR": _ROOT / "docs" / "results",
 }
 for key, path in _ENV.items():
     os.environ.setdefault(key, str(path))

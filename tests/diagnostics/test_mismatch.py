@@ -29,6 +29,33 @@ def test_fp8_settings_go_to_the_section_that_owns_them():
     assert cfg.rollout_fp8_spec() == cfg.trainer_fp8_spec() and cfg.rollout_fp8_spec().recipe == "rowwise"
 
 
+def test_results_file_layout():
+    """docs/results/mismatch.md's layout (tools.results): title, writer, what the rows measure, the stamp, the
+    settings, then the table."""
+    from diagnostics.mismatch import format_results
+    from tools.results import stamp
+
+    m = {"mismatch/token_mult_prob_error": 1.0006, "mismatch/kl_k3_rollout_train": 1.14e-05,
+         "mismatch/max_abs_logp_diff": 0.195, "tokens": 5173}
+    eng = {"kv_capacity_tokens": 32768, "kv_cache_memory_bytes": 67108864, "kv_mode": "bf16", "bf16_mode": "off"}
+    origin = stamp("diagnostics.mismatch", ["--prompts", "32"])
+    table = {"rows": {"a": m}, "recipes": {"a": {"recipe": "configs/tiny_bf16.yaml", "describe": "BF16 / FP32"}},
+             "engines": {"a": eng}, "model_dir": "runs/assets/m", "stamp": origin,
+             "settings": {"prompts": 32, "task": "addition", "n": 4, "seed": 0, "overrides": ["x=1"], "fp8": {}}}
+    lines = format_results(table).splitlines()
+    assert lines[0] == "# Train/inference mismatch per recipe: results" and lines[1] == ""
+    assert lines[2].startswith("Written by `") and lines[2].endswith(
+        " -m diagnostics.mismatch`; the next run of that command overwrites this file.")
+    assert lines[4].startswith("What each row measures: [the FP8 contract]")
+    assert lines[6:11] == [f"- commit: `{origin['commit']}`" + (
+        f" (uncommitted changes in {', '.join(origin['dirty_files'])})" if origin["dirty_files"] else ""),
+        f"- date: {origin['date']}", f"- CPU: {origin['cpu_model']} (kind `{origin['cpu_kind']}`)",
+        f"- command: `{origin['command']}`", "- model: `runs/assets/m`; 32 addition prompts x n=4, seed 0; sampling "
+        "and scoring at each recipe's policy.generation settings"]
+    assert lines[11:14] == ["", "- overrides (every row): `x=1`; FP8 settings: `-`", ""]
+    assert "\n".join(lines[14:]) == format_table(table)
+
+
 @pytest.fixture(scope="module")
 def diag(tmp_path_factory):
     """The diagnostic run through its entry point: (model_dir, tmp dir, returned table, the JSON it wrote)."""
