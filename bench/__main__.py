@@ -1,7 +1,7 @@
 """The performance bench: one command, one table, measured side by side in one run:
 
     bash scripts/bench.sh                       # = .venv/bin/python -m bench --trl-python .venv-bench/bin/python
-    .venv/bin/python -m bench --skip-trl --skip-steps   # numerics only (~1 min)
+    .venv/bin/python -m bench --skip-trl --skip-steps --no-results-doc   # numerics only (~1 min)
 
 Rows (ratios; lower is better unless said otherwise):
 * P1: the project's GRPO step / TRL GRPOTrainer's step on the same model, prompts, reward and batch, for the BF16
@@ -13,7 +13,10 @@ Rows (ratios; lower is better unless said otherwise):
   reward, refit), medians of steps 2..N.
 Project steps are timed in-process (bench/step.py: no Prefect/Ray/MLflow). The orchestration rows come from a short
 run of the real flow on the same workload (bench/flow_run.py, ``--flow-steps``): the orchestration share and the
-refit + KV-calibration share of its steps, and the time to the first step. Results are logged to the MLflow experiment ``bench`` and written to runs/bench/latest.json.
+refit + KV-calibration share of its steps, and the time to the first step. Results are logged to the MLflow
+experiment ``bench`` and written to runs/bench/latest.json; the table, stamped (commit, date, CPU, command line:
+tools.results), to docs/results/bench.md (``--results-doc PATH``; ``--no-results-doc`` for none: a partial run such
+as ``--skip-steps`` would replace the published table).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import torch
 
 import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers / torchao load
 from bench.workload import ROOT
+from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result
 
 RECIPES = {"bf16": "configs/tiny_bf16.yaml", "fp8": "configs/tiny_fp8_e2e.yaml"}
 TINY_SHAPES = [(2560, 256, 512), (2560, 512, 256), (2560, 256, 128)]  # tokens x in -> out of the tiny model's linears
@@ -201,6 +205,24 @@ def log_mlflow(res: dict, uri: str) -> str | None:
         return run.info.run_id
 
 
+NOTE = ("What each row measures: [performance](../performance.md#the-bench-one-command-one-table). `bash "
+        "scripts/bench.sh` runs this command with the TRL peer (`--trl-python .venv-bench/bin/python`).")
+
+
+def write_results_doc(res: dict, origin: dict, path: str | Path | None = None) -> Path:
+    """The stamped results file of a bench run (``res``: latest.json's content, with its table; ``origin``:
+    tools.results.stamp taken when the command started)."""
+    details = [f"- torch {res['torch']}; quantize: {res.get('qdq_kernel', 'n/a')}"]
+    w = res.get("workload")
+    if w:
+        details.append(f"- workload: model `{shown(w['model_dir'])}`, {w['num_prompts']} prompts x "
+                       f"{w['num_generations']} samples x <= {w['max_new_tokens']} tokens; {res.get('steps_per_side')} "
+                       "steps per side")
+    if res.get("mlflow_run_id"):
+        details.append(f"- MLflow run `{res['mlflow_run_id']}` in experiment `bench`; JSON: runs/bench/latest.json")
+    return write_result("bench", "Bench: results", res["table"], origin, note=NOTE, details=details, path=path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=4, help="RL steps per side (medians use steps 2..N)")
@@ -214,10 +236,13 @@ def main(argv=None) -> int:
                    help="steps of the real flow (Prefect + Ray + MLflow) for the orchestration rows; 0 = skip")
     p.add_argument("--quick-model", action="store_true",
                    help="the tests' 12-step SFT model instead of runs/assets' 300-step one (no 300-step SFT build)")
+    add_results_doc_args(p, "bench")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     from fp8core.cpu import apply_cpu_cap
 
     apply_cpu_cap()  # FP8GRPO_CPU_CAP=avx2 measures this machine as an AVX2-only one (before any op / vLLM import)
+    origin = stamp("bench", argv)  # the code that runs, before the measurement (after the cap: the kind it runs as)
     (ROOT / "runs" / "bench").mkdir(parents=True, exist_ok=True)
     res: dict = {"cpu": cpu_line(), "torch": torch.__version__, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     from fp8core import kernels
@@ -240,6 +265,7 @@ def main(argv=None) -> int:
 
         w = default_workload(quick=args.quick_model)
         res["workload"] = json.loads(w.to_json())
+        res["steps_per_side"] = args.steps
         if not args.skip_trl:
             res["trl"] = run_trl(args.trl_python, w, args.steps)
         res["steps"] = {name: run_project(recipe, w, steps=args.steps) for name, recipe in RECIPES.items()}
@@ -262,7 +288,11 @@ def main(argv=None) -> int:
     (ROOT / "runs" / "bench" / "latest.json").write_text(json.dumps(res, indent=1, default=str))
     if not args.no_mlflow:
         run_id = log_mlflow(res, args.tracking_uri)
+        res["mlflow_run_id"] = run_id
         print(f"MLflow experiment 'bench' run {run_id} at {args.tracking_uri}")
+    doc = results_doc(args)
+    if doc is not None:
+        print(f"bench: results written to {write_results_doc(res, origin, doc)}")
     return 0
 
 

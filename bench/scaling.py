@@ -17,6 +17,8 @@ the ratio of the medians, and a drift-corrected ratio with its 95% interval (lea
 run-order trend and a head/baseline term: on these machines step times drifted ~3% per run, which an A B A B order
 would charge to whichever tree runs second). A layout whose flow fails is reported as a failed row (its error
 printed), and the bench goes on with the next one. Overrides after the options apply to every run (``key=value``).
+When it finishes, the table (and the baseline line), stamped (commit, date, CPU, command line: tools.results), go to
+docs/results/scaling.md (``--results-doc PATH``; ``--no-results-doc`` for none).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "runs" / "test-env" / "ops-assets"
@@ -94,6 +98,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+NOTE = ("What is measured and how to read it: [performance](../performance.md#scaling-more-engines-and-trainers). "
+        "Every layout shares this machine's cores: on a few cores the figures are overheads, not speed-ups.")
+
+
+def write_results_doc(rows: list[dict], baseline: str | None, origin: dict, *, recipe: str, steps: int, out: Path,
+                      path: str | Path | None = None) -> Path:
+    """The stamped results file of a scaling run: the layout table of ``rows`` and the ``baseline`` comparison line
+    (None without ``--baseline-tree``); ``origin``: tools.results.stamp taken when the command started."""
+    details = [f"- workload: the tests' 30-step SFT model on the addition task, `{recipe}`, 16 prompts x 8 samples x "
+               f"<= 64 tokens, dynamic sampling off, medians of steps 2-{steps}; runs under `{shown(out)}`"]
+    body = table(rows) + (f"\n\n{baseline}" if baseline else "")
+    return write_result("scaling", "Scaling: results", body, origin, note=NOTE, details=details, path=path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layouts", default="1+1,2+1,1+2,2+2")
@@ -103,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "scaling")
     p.add_argument("overrides", nargs="*")
+    add_results_doc_args(p, "scaling")
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
     layouts = []
     for item in a.layouts.split(","):
@@ -116,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.baseline_tree is not None and not (a.baseline_tree / "flows" / "grpo.py").is_file():
         p.error(f"--baseline-tree: {a.baseline_tree} is not a checkout of this project (no flows/grpo.py)")
     import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads
+    origin = stamp("bench.scaling", argv)  # the code that runs, before the measurement
     from embedded.bootstrap import default_sft, ensure_default_assets
 
     # the tests' ops assets (reused when complete; the ops tests' bootstrap.sft_steps=30)
@@ -133,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"layout": f"{n}+{m}", "failed": str(e).splitlines()[0][:200]})
         print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
+    line = None
     if a.baseline_tree is not None:
         runs = []  # (is_head, step_s) in run order
         for i in range(a.repeats):
@@ -150,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
             est, lo, hi = drift_corrected_ratio(runs)
             line += f"; drift-corrected {est:.3f} [{lo:.3f}, {hi:.3f}] (95%)"
         print(line)
+    doc = results_doc(a)
+    if doc is not None and (line or any(not r.get("failed") for r in rows)):
+        doc = write_results_doc(rows, line, origin, recipe=a.recipe, steps=a.steps, out=a.out, path=doc)
+        print(f"scaling: results written to {doc}")
     return 0
 
 

@@ -8,7 +8,8 @@ start, embedded/bootstrap.py) as a child MLflow run of one parent run. Then, per
 accuracy from step 0 to the last step, mean over seeds, with a 95% confidence interval from a paired bootstrap over
 validation prompts with the seeds as strata (fp8core.stats), beside the format-valid rate, entropy, clip fractions
 (updates after the first of each step), identical-reward groups and wall time. The markdown table goes to
-``<out>/learning.md`` (quoted by the README) and to the parent run.
+``<out>/learning.md`` and to the parent run; when it finishes, ``main`` writes it, stamped (commit, date, CPU,
+command line: tools.results), to docs/results/learning.md (``--results-doc PATH``; ``--no-results-doc`` for none).
 
 Resumable: a run whose ``learning.json`` marker (written after it finished) matches its recipe, seed and overrides
 is skipped, and the parent run is reused (``<out>/parent.json``), so a rerun after an interruption only trains what
@@ -31,6 +32,7 @@ from prefect import flow  # noqa: E402
 import cluster.quiet  # noqa: E402,F401  third-party start-up noise off (cluster/quiet.py)
 from configs.schema import load_config  # noqa: E402
 from experiments.grid import Arm, Grid, history, log_report, mean, run_grid, val_correct  # noqa: E402
+from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result  # noqa: E402
 
 RECIPES = ("configs/tiny_bf16.yaml", "configs/tiny_fp8_e2e.yaml")
 SEEDS = (0, 1, 2)
@@ -169,6 +171,18 @@ def gain_table(root: Path, recipes, seeds, uri: str, *, n_boot: int = 10_000,
     return "\n".join(lines) + "\n", rows
 
 
+NOTE = "What is measured and how to read it: [experiments](../experiments.md#does-rl-learn-the-learning-experiment)."
+
+
+def write_results_doc(result: dict, origin: dict, path: str | Path | None = None) -> Path:
+    """The stamped results file of a finished :func:`learning` (``result``: what it returned; ``origin``:
+    tools.results.stamp taken when the command started)."""
+    details = [f"- experiment directory: `{shown(result['out_dir'])}`; MLflow parent run "
+               f"`{result['parent_run_id']}`"]
+    return write_result("learning", "Learning experiment: results", result["table"], origin, note=NOTE,
+                        details=details, path=path)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -180,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-boot", type=int, default=10_000)
     ap.add_argument("--table-only", action="store_true", help="no training: the table of the runs finished so far")
     ap.add_argument("overrides", nargs="*", help="recipe overrides key=value, applied to every run")
+    add_results_doc_args(ap, "learning")
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
     from configs.schema import ConfigError
     from fp8core.cpu import apply_cpu_cap
@@ -197,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    learning(recipes, seeds, a.overrides, a.out, tracking_uri=a.tracking_uri, n_boot=a.n_boot, train=not a.table_only)
+    origin = stamp("experiments.learning", argv)  # the code that runs, before the (hours of) training
+    out = learning(recipes, seeds, a.overrides, a.out, tracking_uri=a.tracking_uri, n_boot=a.n_boot,
+                   train=not a.table_only)
+    doc = results_doc(a)
+    if doc is not None and out["rows"]:
+        print(f"learning: results written to {write_results_doc(out, origin, doc)}", flush=True)
     return 0
 
 

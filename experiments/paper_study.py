@@ -33,6 +33,9 @@ fp8core/rl/calibrated_clipping.py) and the bounds after the last calibration; pe
 calibrations, the shadow pass's time per calibration (``time/clip_calibration_s``) and its share of the step time and
 of the run's wall time. Means over seeds with a 95% t interval over seeds (none with one seed); accuracies with a
 bootstrap over prompts, seeds as strata.
+
+When it finishes, ``main`` writes the tables and figures, stamped (commit, date, CPU, command line: tools.results), to
+docs/results/paper_study.md (``--results-doc PATH``; ``--no-results-doc`` for none) and copies the PNGs to docs/img/.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from experiments.grid import (  # noqa: E402
     run_grid,
     seed_t_interval,
 )
+from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result  # noqa: E402
 
 EXPERIMENT = "fp8-grpo-paper-study"
 SEEDS = (0, 1, 2)
@@ -319,6 +323,22 @@ def report(grid: Grid, uri: str, parent: str, ablation: dict[int, str], *, n_boo
     return {"table": md, "rows": rs, "plots": [str(f) for f in figs], "ablation": ablation}
 
 
+NOTE = ("The arms, the columns and how to read them: [experiments](../experiments.md#the-papers-study-towards-full-"
+        "pipeline-fp8-rl-over-clipping-and-calibrated-clipping).")
+FIGURES = {"paper_study.png": "paper study curves", "paper_study_intervals.png": "calibration interval"}
+
+
+def write_results_doc(result: dict, origin: dict, path: str | Path | None = None) -> Path:
+    """The stamped results file of a finished :func:`paper_study` (``result``: what it returned; ``origin``:
+    tools.results.stamp taken when the command started): the tables and the figures, copied to ``../img/``."""
+    plots = [Path(p) for p in result.get("plots", [])]
+    details = [f"- experiment directory: `{shown(result['out_dir'])}`; MLflow parent run "
+               f"`{result['parent_run_id']}`"]
+    body = result["table"] + "".join(f"\n![{FIGURES.get(p.name, p.stem)}](../img/{p.name})\n" for p in plots)
+    return write_result("paper_study", "The paper's study: results", body, origin, note=NOTE, details=details,
+                        path=path, images=plots)
+
+
 @flow(name="fp8-grpo-paper-study", log_prints=False, validate_parameters=True)
 def paper_study(seeds: list[int] | None = None, fp8_recipes: list[str] | None = None, clip_period: int = CLIP_PERIOD,
                 intervals: list[int] | None = None, ablation_recipe: str = "blockwise",
@@ -356,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-boot", type=int, default=2000)
     ap.add_argument("--table-only", action="store_true", help="no training: the tables of the runs finished so far")
     ap.add_argument("overrides", nargs="*", help="recipe overrides key=value, applied to every run")
+    add_results_doc_args(ap, "paper_study")
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
     from configs.schema import ConfigError
     from fp8core.cpu import apply_cpu_cap
@@ -372,9 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    paper_study(seeds, recipes, a.clip_period, intervals, a.ablation_recipe, a.overrides, a.out,
-                tracking_uri=a.tracking_uri, n_boot=a.n_boot, train=not a.table_only, arms=names,
-                old_logprobs=a.old_logprobs, fp8_kv_cache=a.fp8_kv_cache)
+    origin = stamp("experiments.paper_study", argv)  # the code that runs, before the (hours of) training
+    out = paper_study(seeds, recipes, a.clip_period, intervals, a.ablation_recipe, a.overrides, a.out,
+                      tracking_uri=a.tracking_uri, n_boot=a.n_boot, train=not a.table_only, arms=names,
+                      old_logprobs=a.old_logprobs, fp8_kv_cache=a.fp8_kv_cache)
+    doc = results_doc(a)
+    if doc is not None and out["rows"]:
+        print(f"paper_study: results written to {write_results_doc(out, origin, doc)}", flush=True)
     return 0
 
 

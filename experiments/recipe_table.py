@@ -20,6 +20,10 @@ skips finished runs). The table (``<out>/recipe_table.md``, logged to the parent
 bootstrap over prompts with seeds as strata), its difference to BF16 paired on the same prompts and seeds, mean
 ``mismatch/token_mult_prob_error`` and mean step time (mean of the per-seed means, 95% t interval over seeds; no
 interval with one seed).
+
+When it finishes, ``main`` writes the table and the figure, stamped (commit, date, CPU, command line: tools.results),
+to docs/results/recipe_table.md (``--results-doc PATH``; ``--no-results-doc`` for none) and copies the PNG to
+docs/img/.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from experiments.grid import (  # noqa: E402
     plot_curves,
     run_grid,
 )
+from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result  # noqa: E402
 
 EXPERIMENT = "fp8-grpo-recipe-table"
 SEEDS = (0, 1, 2)
@@ -159,6 +164,25 @@ def _json_default(x):
     return None if isinstance(x, float) and math.isnan(x) else str(x)
 
 
+NOTE = ("What the arms are and how to read the table: "
+        "[experiments](../experiments.md#the-recipe-table-nvidias-fp8-rl-blog).")
+FIGURE = ("![recipe table curves](../img/recipe_table.png)\n\n"
+          "`plots/recipe_table.png` of the command above: mean of seeds; the accuracy band is the 95% CI over prompts, "
+          "the other bands the range over the seeds. The mismatch is drawn as `token_mult_prob_error - 1` on a log "
+          "axis.")
+
+
+def write_results_doc(result: dict, origin: dict, path: str | Path | None = None) -> Path:
+    """The stamped results file of a finished :func:`recipe_table` (``result``: what it returned; ``origin``:
+    tools.results.stamp taken when the command started): the table and the figure, copied to ``../img/``."""
+    plots = [Path(p) for p in result.get("plots", [])]
+    details = [f"- experiment directory: `{shown(result['out_dir'])}`; MLflow parent run "
+               f"`{result['parent_run_id']}`"]
+    body = result["table"] + ("\n" + FIGURE if plots else "")
+    return write_result("recipe_table", "Recipe table: results", body, origin, note=NOTE, details=details,
+                        path=path, images=plots)
+
+
 @flow(name="fp8-grpo-recipe-table", log_prints=False, validate_parameters=True)
 def recipe_table(arms: list[str] | None = None, seeds: list[int] | None = None, overrides: list[str] | None = None,
                  out_dir: str = "runs/recipe_table", experiment_name: str = EXPERIMENT,
@@ -179,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-boot", type=int, default=2000)
     ap.add_argument("--table-only", action="store_true", help="no training: the table of the runs finished so far")
     ap.add_argument("overrides", nargs="*", help="recipe overrides key=value, applied to every run")
+    add_results_doc_args(ap, "recipe_table")
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(argv)
     from configs.schema import ConfigError
     from fp8core.cpu import apply_cpu_cap
@@ -191,8 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    recipe_table([x.name for x in arms], seeds, a.overrides, a.out, tracking_uri=a.tracking_uri, n_boot=a.n_boot,
-                 train=not a.table_only)
+    origin = stamp("experiments.recipe_table", argv)  # the code that runs, before the (hours of) training
+    out = recipe_table([x.name for x in arms], seeds, a.overrides, a.out, tracking_uri=a.tracking_uri,
+                       n_boot=a.n_boot, train=not a.table_only)
+    doc = results_doc(a)
+    if doc is not None and out["rows"]:
+        print(f"recipe_table: results written to {write_results_doc(out, origin, doc)}", flush=True)
     return 0
 
 

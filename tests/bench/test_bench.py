@@ -37,6 +37,22 @@ def test_table_ratios():
     assert "workers up 9.5 s) | 21.2 s |" in with_flow and "| 0.5 / 1.2 |" in with_flow
 
 
+def test_results_file(tmp_path):
+    """What ``python -m bench`` writes when it finishes: the stamped results file with the table."""
+    from tools.results import stamp
+
+    origin = stamp("bench", ["--skip-trl"])
+    res = {**_res(), "torch": "2.x", "qdq_kernel": "fused", "mlflow_run_id": "r1", "steps_per_side": 4,
+           "workload": {"model_dir": str(tmp_path / "m"), "num_prompts": 16, "num_generations": 8,
+                        "max_new_tokens": 32}}
+    res["table"] = B.table(res)
+    text = B.write_results_doc(res, origin, tmp_path / "bench.md").read_text()
+    assert text.startswith("# Bench: results\n\nWritten by `") and "-m bench`; the next run" in text
+    assert f"- command: `{origin['command']}`" in text and f"- commit: `{origin['commit']}`" in text
+    assert "- torch 2.x; quantize: fused" in text and "16 prompts x 8 samples x <= 32 tokens; 4 steps" in text
+    assert "MLflow run `r1`" in text and "| P3: FP8 step / BF16 step | 1.20 |" in text
+
+
 def test_numerics_sections_run():
     q = B.bench_quantize((64, 256), reps=1)
     assert set(q) == {"copy", "tensorwise", "rowwise", "group128", "block128"} and min(q.values()) > 0

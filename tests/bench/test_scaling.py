@@ -21,6 +21,24 @@ def test_bad_arguments_fail_before_any_run(args, msg, capsys):
     assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
+def test_results_file(tmp_path):
+    """What ``python -m bench.scaling`` writes when it finishes: the stamped results file with the layout table and
+    the baseline comparison."""
+    from bench.scaling import write_results_doc
+    from tools.results import stamp
+
+    origin = stamp("bench.scaling", ["--layouts", "1+1"])
+    rows = [{"layout": "1+1", "time/step_s": 6.76, "time/rollout_s": 2.21, "time/train_s": 4.25,
+             "throughput/rollout_tokens_per_s": 2309, "time/refit_s": 0.19, "time/refit_engine_mean_s": 0.08,
+             "time/refit_engine_s": 0.08}]
+    doc = write_results_doc(rows, "1+1 step time, this tree / baseline: 1.019", origin, recipe="configs/x.yaml",
+                            steps=5, out=tmp_path / "runs", path=tmp_path / "scaling.md")
+    text = doc.read_text()
+    assert text.startswith("# Scaling: results\n\nWritten by `") and "-m bench.scaling`; the next run" in text
+    assert f"- command: `{origin['command']}`" in text and "`configs/x.yaml`" in text and "steps 2-5" in text
+    assert "| 1+1 | 6.76 | 2.21 | 2309 |" in text and text.endswith("this tree / baseline: 1.019\n")
+
+
 def test_failed_layout_row():
     t = table([{"layout": "2+2", "failed": "2+2: flow failed (rc 1)"}]).splitlines()
     assert t[2] == "| 2+2 | failed: 2+2: flow failed (rc 1) | | | | | |"

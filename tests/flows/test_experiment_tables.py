@@ -130,6 +130,32 @@ def test_recipe_table_from_finished_runs_resumes_parent(tmp_path):
     assert r2["parent_run_id"] == r1["parent_run_id"] and r2["rows"][1]["vs_ref"] == f["vs_ref"]
 
 
+def test_recipe_table_results_file(tmp_path):
+    """What ``python -m experiments.recipe_table`` writes when it finishes: the stamped results file with the table
+    and the figure, copied to ../img/ beside it."""
+    from experiments.grid import run_grid
+    from experiments.recipe_table import ARMS, make_grid, report, write_results_doc
+    from tools.results import stamp
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    g = make_grid(ARMS[:1], [0], [], tmp_path / "rt")
+    _fake_run(g, ARMS[0], 0, uri, {0: [0, 0, 0, 0], 2: [1, 1, 1, 0]}, _recipe_metrics(1.001, 4.0))
+    r = run_grid(g, experiment="t-rt", tracking_uri=uri, train=False,
+                 report=lambda gr, u, p: report(gr, u, p, n_boot=100))
+    origin = stamp("experiments.recipe_table", ["--out", str(tmp_path / "rt")])
+    doc = write_results_doc(r, origin, tmp_path / "docs" / "results" / "recipe_table.md")
+    text = doc.read_text()
+    assert text.startswith("# Recipe table: results\n\nWritten by `") and \
+        "-m experiments.recipe_table`; the next run of that command overwrites this file." in text
+    for line in (f"- commit: `{origin['commit']}`", f"- date: {origin['date']}",
+                 f"- CPU: {origin['cpu_model']} (kind `{origin['cpu_kind']}`)", f"- command: `{origin['command']}`",
+                 f"MLflow parent run `{r['parent_run_id']}`", r["table"].strip(),
+                 "![recipe table curves](../img/recipe_table.png)"):
+        assert line in text
+    assert (tmp_path / "docs" / "img" / "recipe_table.png").read_bytes() == \
+        (tmp_path / "rt" / "plots" / "recipe_table.png").read_bytes()
+
+
 def test_paper_study_tables_and_shadow_cost(tmp_path):
     from experiments.grid import run_grid
     from experiments.paper_study import check_calibrations, make_arms, make_grid, report

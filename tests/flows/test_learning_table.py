@@ -56,3 +56,17 @@ def test_gain_table_from_finished_runs(tmp_path):
     assert "**+37.5**" in table and "+50.0, +25.0" in table
     assert "Not finished (not in the table): tiny_bf16 seed 2, tiny_fp8_e2e seed 0, tiny_fp8_e2e seed 1, " \
            "tiny_fp8_e2e seed 2." in table
+
+
+def test_learning_results_file(tmp_path):
+    """What ``python -m experiments.learning`` writes when it finishes: the stamped results file with the table."""
+    from experiments.learning import write_results_doc
+    from tools.results import stamp
+
+    origin = stamp("experiments.learning", ["--seeds", "0"])
+    result = {"table": "| recipe |\n|---|\n| `configs/tiny_bf16.yaml` |\n", "out_dir": str(tmp_path / "learning"),
+              "parent_run_id": "p123"}
+    text = write_results_doc(result, origin, tmp_path / "learning.md").read_text()
+    assert text.startswith("# Learning experiment: results\n\nWritten by `")
+    assert f"- command: `{origin['command']}`" in text and "-m experiments.learning --seeds 0`" in text
+    assert "MLflow parent run `p123`" in text and text.endswith("| `configs/tiny_bf16.yaml` |\n")
