@@ -305,7 +305,7 @@ class RolloutWorker:
         )
         if vc.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = vc.kv_cache_memory_bytes
-        if torch.cuda.is_available():
+        if self.on_gpu:
             kwargs["gpu_memory_utilization"] = vc.gpu_memory_utilization
         if self.kv_mode == "fp8-native":
             kwargs["kv_cache_dtype"] = "fp8_e4m3"
