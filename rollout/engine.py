@@ -323,6 +323,8 @@ class RolloutWorker:
         return kwargs
 
     def _start_engine(self):
+        if not self.on_gpu:
+            _eager_token_ranks()
         if self.fp8 is not None:
             import rollout.vllm_fp8  # noqa: F401  (registers the quantization method)
         if self.bf16_mode == "emulated":
@@ -621,6 +623,23 @@ class RolloutWorker:
             "config": {"vllm_cfg": asdict(self.vllm), "fp8": None if self.fp8 is None else asdict(self.fp8),
                        "seed": self.cfg.grpo.seed, "kv_scales_max_lag": self.kv_scales_max_lag},
         }
+
+
+def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x``, how many entries are >= that row's value (a sampled token's rank): the expression vLLM's
+    sampler compiles, run eagerly."""
+    return (x >= values).sum(-1)
+
+
+def _eager_token_ranks() -> None:
+    """On CPU, vLLM's sampler ranks each sampled token with a ``torch.compile``d comparison-and-sum
+    (vllm.v1.sample.ops.logprobs.batched_count_greater_than): inductor compiles it at the first sampled logprob of
+    every engine process, ~9 s on a 2-core CPU (a compile cache does not remove the tracing), for one comparison and
+    one sum. The eager expression gives the same integers; its transient (tokens x vocab) bool tensor is small at CPU
+    batch sizes. GPU engines keep vLLM's compiled kernel."""
+    import vllm.v1.sample.sampler as sampler
+
+    sampler.batched_count_greater_than = _count_at_least
 
 
 def gather_rollouts(*parts: list[dict]) -> list[dict]:

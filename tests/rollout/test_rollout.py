@@ -204,6 +204,22 @@ def test_logprobs_are_temperature_processed(worker, model_dir, prompts):
 
 
 @pytest.mark.slow
+def test_sampled_token_ranks_are_counted_eagerly_on_cpu(worker):
+    """A CPU engine's sampler ranks sampled tokens with the eager count (no inductor compile at the first sampled
+    logprob): the same integers as ranking by sorting, ties included."""
+    import vllm.v1.sample.sampler as sampler
+
+    from rollout.engine import _count_at_least
+
+    assert sampler.batched_count_greater_than is _count_at_least
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-4, 4, (6, 50), generator=g).float()
+    values = x[torch.arange(6), torch.randint(0, 50, (6,), generator=g)].unsqueeze(1)
+    want = torch.tensor([sum(e >= v for e in row) for row, v in zip(x.tolist(), values.flatten().tolist())])
+    assert torch.equal(_count_at_least(x, values), want)
+
+
+@pytest.mark.slow
 def test_kv_capacity_matches_budget(worker):
     st = worker.stats()
     # 32 MiB / (4 layers * 2 * 2 heads * 64 dims * 2 bytes) = 16384 tokens
