@@ -28,7 +28,7 @@ from pathlib import Path
 
 from embedded import addition_task, math_task
 from embedded.tasks import DEFAULT_TASK, get_task
-from embedded.tiny_model import TINY_MOE, TinyModelSpec, build_tiny_model, chat_prompt
+from embedded.tiny_model import TINY_MOE, TinyModelSpec, asset_lock, build_tiny_model, chat_prompt
 
 ADDITION_SFT_STEPS = 325
 ADDITION_SFT_LR = 3e-3
@@ -188,22 +188,23 @@ def ensure_default_assets(root: str | Path, *, task: str = DEFAULT_TASK, sft: SF
     if task == "addition":
         data_key.update(spec=asdict(ADDITION_SPEC), sft_spec=asdict(ADDITION_SFT_SPEC),
                         n_sft=n_sft or ADDITION_SFT_ROWS, data_seed=ADDITION_DATA_SEED)
-    data_marker = data_dir / ".complete"
-    fresh = data_marker.exists() and json.loads(data_marker.read_text()) == data_key
-    if not (fresh and all(p.exists() for p in splits.values())):
-        data_marker.unlink(missing_ok=True)
-        if task == "arithmetic":
-            splits = math_task.generate_splits(data_dir, n_train=n_train, n_validation=n_validation, seed=spec.seed)
-        else:
-            splits = addition_task.generate_splits(
-                data_dir, n_train=n_train, n_validation=n_validation, seed=ADDITION_DATA_SEED + spec.seed,
-                spec=ADDITION_SPEC, n_sft=n_sft or ADDITION_SFT_ROWS, sft_spec=ADDITION_SFT_SPEC)
-        data_marker.write_text(json.dumps(data_key))
-    base = build_tiny_model(task_root / f"{stem}-base", spec)
-    sft_dir = task_root / (f"{stem}-sft" if task == "arithmetic" else f"{stem}-sft-seed{sft.seed}")
-    marker = sft_dir / ".complete"
-    key = {**asdict(sft), "data": data_key, "base": spec.key()}  # the SFT recipe, its data and its base model
-    if not (marker.exists() and json.loads(marker.read_text()) == key):
-        log(f"bootstrap: SFT warm start of {base} on {task} ({sft.steps} steps) -> {sft_dir}")
-        sft_bootstrap(base, splits.get("sft", splits["train"]), sft_dir, sft, log=log, marker=key, task=task)
-    return {"model_dir": sft_dir, "base_model_dir": base, **splits}
+    with asset_lock(task_root):  # one builder at a time per assets directory (concurrent runs wait, then reuse)
+        data_marker = data_dir / ".complete"
+        fresh = data_marker.exists() and json.loads(data_marker.read_text()) == data_key
+        if not (fresh and all(p.exists() for p in splits.values())):
+            data_marker.unlink(missing_ok=True)
+            if task == "arithmetic":
+                splits = math_task.generate_splits(data_dir, n_train=n_train, n_validation=n_validation, seed=spec.seed)
+            else:
+                splits = addition_task.generate_splits(
+                    data_dir, n_train=n_train, n_validation=n_validation, seed=ADDITION_DATA_SEED + spec.seed,
+                    spec=ADDITION_SPEC, n_sft=n_sft or ADDITION_SFT_ROWS, sft_spec=ADDITION_SFT_SPEC)
+            data_marker.write_text(json.dumps(data_key))
+        base = build_tiny_model(task_root / f"{stem}-base", spec)
+        sft_dir = task_root / (f"{stem}-sft" if task == "arithmetic" else f"{stem}-sft-seed{sft.seed}")
+        marker = sft_dir / ".complete"
+        key = {**asdict(sft), "data": data_key, "base": spec.key()}  # the SFT recipe, its data and its base model
+        if not (marker.exists() and json.loads(marker.read_text()) == key):
+            log(f"bootstrap: SFT warm start of {base} on {task} ({sft.steps} steps) -> {sft_dir}")
+            sft_bootstrap(base, splits.get("sft", splits["train"]), sft_dir, sft, log=log, marker=key, task=task)
+        return {"model_dir": sft_dir, "base_model_dir": base, **splits}

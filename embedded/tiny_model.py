@@ -140,13 +140,26 @@ def qwen3_config(spec: TinyModelSpec, tokenizer):
     )
 
 
+def asset_lock(path: str | Path):
+    """An exclusive lock (``<path>.lock``) held while an asset under ``path`` is checked or built: runs (or test
+    workers) sharing an assets directory wait for one builder instead of removing each other's temporary files."""
+    from filelock import FileLock
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path.with_name(path.name + ".lock")))
+
+
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None, *, overwrite: bool = False) -> Path:
     """Create (or reuse) a randomly initialised tiny Qwen3 + tokenizer in HF format at ``out_dir``."""
+    with asset_lock(out_dir):
+        return _build_tiny_model(Path(out_dir), spec or TinyModelSpec(), overwrite)
+
+
+def _build_tiny_model(out: Path, spec: TinyModelSpec, overwrite: bool) -> Path:
     import torch
     from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-    spec = spec or TinyModelSpec()
-    out = Path(out_dir)
     marker = out / ".complete"
     if marker.exists() and not overwrite:
         if json.loads(marker.read_text()) == spec.key():

@@ -37,6 +37,35 @@ def test_build_load_and_cache(tmp_path):
         build_tiny_model(tmp_path / "m", TinyModelSpec())
 
 
+def _build_in_child(out: str, ready, go) -> None:
+    ready.set()
+    go.wait(60)
+    build_tiny_model(out, SMALL)
+
+
+@pytest.mark.slow
+def test_concurrent_builders_of_one_directory_both_get_the_same_complete_model(tmp_path):
+    """Two processes (two runs, or two test workers, on one assets directory) build the same model at once: one
+    builds under the directory's lock, the other waits and reuses it -- neither removes the other's temporary
+    directory, both return the complete model."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    go, readies = ctx.Event(), [ctx.Event(), ctx.Event()]
+    procs = [ctx.Process(target=_build_in_child, args=(str(tmp_path / "m"), r, go)) for r in readies]
+    for p in procs:
+        p.start()
+    for r in readies:
+        assert r.wait(120)
+    go.set()
+    for p in procs:
+        p.join(300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    out = tmp_path / "m"
+    assert json.loads((out / ".complete").read_text()) == SMALL.key()
+    assert (out / "model.safetensors").exists() and not (tmp_path / "m.tmp").exists()
+
+
 @pytest.mark.slow
 def test_sft_bootstrap_learns_the_format(tmp_path):
     from embedded.bootstrap import SFTConfig, ensure_default_assets, greedy_accuracy
