@@ -11,15 +11,19 @@ from pathlib import Path
 import pytest
 
 _ROOT = Path(__file__).resolve().parents[1] / "runs" / "test-env"
+# Under pytest-xdist (scripts/test.sh runs the suite on several workers) each worker has its own Prefect home (the
+# temporary Prefect servers of in-process flow runs keep a sqlite database there) and its own results directory;
+# the model, asset and compile caches are shared (their writers lock or write atomically).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 _ENV = {
     "HF_HOME": _ROOT / "hf",
     "VLLM_CACHE_ROOT": _ROOT / "vllm-cache",
     "TORCHINDUCTOR_CACHE_DIR": _ROOT / "inductor",
-    "PREFECT_HOME": _ROOT / "prefect",
-    "PREFECT_SERVER_MEMO_STORE_PATH": _ROOT / "prefect" / "memo_store.toml",
+    "PREFECT_HOME": _ROOT / "prefect" / _WORKER,
+    "PREFECT_SERVER_MEMO_STORE_PATH": _ROOT / "prefect" / _WORKER / "memo_store.toml",
     "RAY_TMPDIR": Path("/tmp") / f"ray-fp8grpo-{os.getuid()}",
     # result files a command writes by default (tools.results): here, never over the published docs/results/
-    "FP8GRPO_RESULTS_DIR": _ROOT / "docs" / "results",
+    "FP8GRPO_RESULTS_DIR": _ROOT / "docs" / "results" / _WORKER,
 }
 for key, path in _ENV.items():
     os.environ.setdefault(key, str(path))
@@ -44,6 +48,23 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 from fp8core.cpu import apply_cpu_cap  # noqa: E402
 
 apply_cpu_cap()
+
+
+def _cost_class(item: pytest.Item) -> int:
+    """0: end-to-end (minutes each), 1: slow (seconds to a minute), 2: the fast set."""
+    return 0 if item.get_closest_marker("e2e") else 1 if item.get_closest_marker("slow") else 2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Longest first, so that parallel workers (scripts/test.sh: pytest-xdist, ``--dist loadgroup``) take the
+    minute-long end-to-end tests at the start and finish together on the fast set; the tests that use the local stack
+    (one Prefect + MLflow server per pytest process: the session fixture ``stack``) form one group, run by one worker.
+    The order within each class is the collection order."""
+    items.sort(key=_cost_class)
+    for item in items:
+        if "stack" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("stack"))
 
 
 def free_port() -> int:
