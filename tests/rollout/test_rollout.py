@@ -215,7 +215,7 @@ def test_sampled_token_ranks_are_counted_eagerly_on_cpu(worker):
     g = torch.Generator().manual_seed(0)
     x = torch.randint(-4, 4, (6, 50), generator=g).float()
     values = x[torch.arange(6), torch.randint(0, 50, (6,), generator=g)].unsqueeze(1)
-    want = torch.tensor([sum(e >= v for e in row) for row, v in zip(x.tolist(), values.flatten().tolist())])
+    want = torch.tensor([sum(e >= v for e in row) for row, v in zip(x.tolist(), values.flatten().tolist(), strict=True)])
     assert torch.equal(_count_at_least(x, values), want)
 
 
