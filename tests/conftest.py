@@ -1,5 +1,6 @@
 """Test-wide environment: every cache and temp dir under runs/test-env (never $HOME), nothing reaches out."""
 import atexit
+import json
 import os
 import shutil
 import socket
@@ -50,21 +51,53 @@ from fp8core.cpu import apply_cpu_cap  # noqa: E402
 apply_cpu_cap()
 
 
-def _cost_class(item: pytest.Item) -> int:
-    """0: end-to-end (minutes each), 1: slow (seconds to a minute), 2: the fast set."""
-    return 0 if item.get_closest_marker("e2e") else 1 if item.get_closest_marker("slow") else 2
+# The time ledger: seconds per test (setup + call + teardown) of the last full run, written by
+# ``scripts/test.sh --write-durations tests/durations.json``; it orders the run (longest first) and is the source of
+# tests/README.md's ledger table. A test missing from it is estimated by its marks.
+LEDGER = Path(__file__).with_name("durations.json")
+_DEFAULT_S = {"e2e": 60.0, "slow": 5.0, "": 0.1}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--write-durations", metavar="PATH", default=None,
+                     help="write each test's seconds (setup + call + teardown) to PATH as JSON (the time ledger)")
+
+
+def _estimate(item: pytest.Item, ledger: dict[str, float]) -> float:
+    if item.nodeid in ledger:
+        return ledger[item.nodeid]
+    return _DEFAULT_S["e2e" if item.get_closest_marker("e2e") else "slow" if item.get_closest_marker("slow") else ""]
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Longest first, so that parallel workers (scripts/test.sh: pytest-xdist, ``--dist loadgroup``) take the
-    minute-long end-to-end tests at the start and finish together on the fast set; the tests that use the local stack
-    (one Prefect + MLflow server per pytest process: the session fixture ``stack``) form one group, run by one worker.
-    The order within each class is the collection order."""
-    items.sort(key=_cost_class)
-    for item in items:
-        if "stack" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("stack"))
+    """Longest first (by the ledger), so that parallel workers (scripts/test.sh: pytest-xdist, ``--dist loadgroup``)
+    take the minute-long end-to-end tests at the start and finish together on the fast set. The tests that use the
+    local stack (one Prefect + MLflow server per pytest process: the session fixture ``stack``) form one group, run
+    by one worker, placed by the group's total time."""
+    ledger = json.loads(LEDGER.read_text()) if LEDGER.exists() else {}
+    cost = {item.nodeid: _estimate(item, ledger) for item in items}
+    stack = [item for item in items if "stack" in getattr(item, "fixturenames", ())]
+    for item in stack:
+        item.add_marker(pytest.mark.xdist_group("stack"))
+    group_s = sum(cost[item.nodeid] for item in stack)
+    for item in stack:
+        cost[item.nodeid] = group_s
+    items.sort(key=lambda item: -cost[item.nodeid])  # stable: ties keep the collection order
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    nodeid = report.nodeid.split("@", 1)[0]  # xdist's loadgroup appends "@<group>" to grouped tests' ids
+    _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--write-durations")
+    if path and not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist) writes it
+        Path(path).write_text(json.dumps({k: round(v, 2) for k, v in sorted(_durations.items())}, indent=1) + "\n")
 
 
 def free_port() -> int:
