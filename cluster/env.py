@@ -1,10 +1,18 @@
 """The run's process environment: caches under the run dir and the offline / quiet switches, set before Ray and
-vLLM start so every process of the run inherits them (existing values win)."""
+vLLM start so every process of the run inherits them (existing values win).
+
+Hugging Face models and datasets named by hub id come from the user's own Hugging Face cache (HF_HOME /
+HF_HUB_CACHE are left alone: storage/hub.py); only ``datasets``' processing cache (HF_DATASETS_CACHE) is kept
+under the run dir, so a run writes nothing to $HOME. Offline (HF_HUB_OFFLINE=1) unless the recipe says
+``hub.allow_downloads: true``."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+# the switches that keep huggingface_hub / transformers from the network: both must be off to download
+OFFLINE_KEYS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def cache_env(run_dir: Path) -> dict[str, str]:
@@ -13,7 +21,7 @@ def cache_env(run_dir: Path) -> dict[str, str]:
     env = {
         "VLLM_CACHE_ROOT": str(cache / "vllm"),
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-        "HF_HOME": str(cache / "hf"),
+        "HF_DATASETS_CACHE": str(cache / "datasets"),
         "PREFECT_HOME": str(cache / "prefect"),
         "PREFECT_SERVER_MEMO_STORE_PATH": str(cache / "prefect" / "memo_store.toml"),
     }
@@ -25,9 +33,12 @@ def cache_env(run_dir: Path) -> dict[str, str]:
     return {**env, **fixed}
 
 
-def apply_env(run_dir: Path) -> None:
-    """Set the run's environment (existing values win, so tests and users can point caches elsewhere)."""
+def apply_env(run_dir: Path, *, allow_downloads: bool = False) -> None:
+    """Set the run's environment (existing values win, so tests and users can point caches elsewhere), except that
+    ``allow_downloads`` (the recipe's ``hub.allow_downloads``) turns the offline switches off for the run."""
     for key, value in cache_env(run_dir).items():
         os.environ.setdefault(key, value)
         if key.endswith(("_ROOT", "_DIR", "_HOME")):
             Path(os.environ[key]).mkdir(parents=True, exist_ok=True)
+    if allow_downloads:
+        os.environ.update(dict.fromkeys(OFFLINE_KEYS, "0"))

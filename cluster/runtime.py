@@ -251,7 +251,7 @@ def _policy_actor_class():
     return PolicyActor
 
 
-def start_policy_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str, *, env: dict | None = None,
+def start_policy_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str, *, env: dict | None = None,
                          scheduling=None) -> tuple[tuple[str, ...], tuple]:
     """``cluster.policy_workers`` PolicyWorker actors (``fp8grpo-policy-{tag}`` for rank 0, ``-{tag}-{r}`` for the
     others), constructed concurrently: with more than one they join one process group (trainer/dp.py) whose
@@ -403,8 +403,9 @@ def policy_refs(names: Sequence[str], method: str, *args, **kwargs) -> list:
     return [getattr(actor(n), method).remote(*args, **kwargs) for n in names]
 
 
-def start_workers(cfg: Config, model_dir: Path, run_dir: Path, tag: str) -> Workers:
-    """Reserve the run's placement group (``cluster.placement_strategy``; fails with the bundles and the cluster's
+def start_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str) -> Workers:
+    """``model_dir``: a model directory, or a hub model pinned as ORG/NAME@<commit> that each worker resolves in its
+    node's Hugging Face cache (storage/hub.py). Reserve the run's placement group (``cluster.placement_strategy``; fails with the bundles and the cluster's
     resources if Ray cannot place it), create the PolicyWorker and ``cluster.rollout_workers`` RolloutWorkers in
     its bundles (named ``fp8grpo-policy-{tag}``, ``fp8grpo-rollout-{tag}-{k}``) and wait until all are constructed
     (errors surface here, with the actor's traceback)."""

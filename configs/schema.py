@@ -8,7 +8,7 @@ Key names follow the seed (NeMo RL's GRPO recipes) so its recipes read the same 
   transformers + fp8core, not Megatron; the section keeps the seed's name so seed recipes load unchanged, and
   ``policy.megatron_cfg`` is documented as "the trainer section" (its other Megatron-only keys are not accepted).
 - ``loss_fn.*``, ``grpo.*``, ``checkpointing.*``, ``logger.mlflow.*`` as in the seed; ``data.*``, ``calibration.*``,
-  ``ray.*``, ``cluster.*``, ``bootstrap.*`` and ``run_dir`` are ours.
+  ``ray.*``, ``cluster.*``, ``bootstrap.*``, ``hub.*`` and ``run_dir`` are ours.
 
 Loading (``load_config``): the YAML may name a base recipe with ``defaults: other.yaml`` (path relative to the file);
 the file is deep-merged over its base, then each override ``a.b.c=value`` (value parsed as YAML) is applied, then the
@@ -153,7 +153,10 @@ class RouterReplayCfg:
 
 @dataclass(frozen=True)
 class PolicyCfg:
+    # a local Hugging Face model directory, a hub id ORG/NAME (found in the Hugging Face cache, storage/hub.py), or
+    # embedded (the tiny model the bootstrap builds)
     model_name: str = EMBEDDED
+    model_revision: str = "main"  # hub ids only: a branch, tag or commit hash (the run pins the commit)
     tokenizer_name: str | None = None  # default: model_name
     train_global_batch_size: int = 32
     train_micro_batch_size: int = 8
@@ -234,7 +237,9 @@ class CalibrationCfg:
 
 @dataclass(frozen=True)
 class DataCfg:
-    """Train / validation files (jsonl or parquet, file:// or s3://). ``embedded`` = the synthetic task named by
+    """Train / validation files (jsonl or parquet, file:// or s3://) or hub datasets ``ORG/NAME[@REVISION]`` found in
+    the Hugging Face cache (storage/hub.py; ``train_split`` / ``validation_split`` and ``subset`` pick the rows; a path
+    with a data-file suffix, a URI or an existing local path is a file). ``embedded`` = the synthetic task named by
     ``task``, which also picks the verifier (embedded/verifiers.py): ``addition`` (default; column-by-column scratchpad,
     strict ``\\boxed{}`` at the end) or ``arithmetic`` (one-fact word problems; also the GSM8K / OpenMathInstruct
     verifier: last ``\\boxed{}`` or last number)."""
@@ -242,6 +247,9 @@ class DataCfg:
     task: Literal["addition", "arithmetic"] = DEFAULT_TASK
     train_path: str = EMBEDDED
     validation_path: str = EMBEDDED
+    train_split: str = "train"  # hub datasets only: the split of train_path
+    validation_split: str = "validation"  # hub datasets only: the split of validation_path (GSM8K's is "test")
+    subset: str | None = None  # hub datasets only: the subset (config name, GSM8K's "main"); null = the only one
     question_key: str = "question"
     answer_key: str = "answer"
     max_input_seq_length: int = 128
@@ -381,6 +389,15 @@ class BootstrapCfg:
 
 
 @dataclass(frozen=True)
+class HubCfg:
+    """The Hugging Face Hub (storage/hub.py): hub ids are looked up in the user's Hugging Face cache ($HF_HUB_CACHE,
+    else $HF_HOME/hub, else ~/.cache/huggingface/hub); runs are offline (HF_HUB_OFFLINE=1) unless ``allow_downloads``,
+    which downloads what the cache lacks and sets HF_HUB_OFFLINE=0 for the run's processes."""
+
+    allow_downloads: bool = False
+
+
+@dataclass(frozen=True)
 class Config:
     run_dir: str = "runs/default"
     recipe: str = "custom"  # tag in MLflow; set from the YAML file name when loaded
@@ -396,6 +413,7 @@ class Config:
     evaluation: EvaluationCfg = field(default_factory=EvaluationCfg)
     testing: TestingCfg = field(default_factory=TestingCfg)
     bootstrap: BootstrapCfg = field(default_factory=BootstrapCfg)
+    hub: HubCfg = field(default_factory=HubCfg)
 
     def __post_init__(self):
         _validate(self)

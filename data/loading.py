@@ -1,4 +1,6 @@
-"""Train / validation data: jsonl or parquet files loaded with HF ``datasets`` from local paths, file:// or s3://.
+"""Train / validation data: jsonl or parquet files loaded with HF ``datasets`` from local paths, file:// or s3://,
+or hub datasets ``ORG/NAME[@REVISION]`` from the Hugging Face cache (storage/hub.py tells the two apart and finds the
+snapshot; ``load_hub_split`` reads one split of one subset of it).
 
 A split is any file with a question column and an answer column (names configurable: GSM8K's ``question`` /
 ``answer`` or OpenMathInstruct-2's ``problem`` / ``expected_answer``). Loading fails early with an error naming the
@@ -160,6 +162,56 @@ def load_split(path: str, *, question_key: str = "question", answer_key: str = "
     return ds
 
 
+def load_hub_split(path: str, *, key: str, split_key: str, split: str, subset: str | None,
+                   question_key: str = "question", answer_key: str = "answer", allow_downloads: bool = False):
+    """One split of a hub dataset ``ORG/NAME[@REVISION]`` (data key ``key``), read with ``datasets`` from its
+    snapshot in the Hugging Face cache. A missing dataset, subset, split or column fails in one line naming its key
+    (``key``, ``data.subset``, ``split_key``, ``data.question_key`` / ``data.answer_key``)."""
+    import datasets
+
+    from storage.hub import hub_dataset, resolve
+
+    repo_id, revision = hub_dataset(path) or (path, "main")
+    snap = resolve(repo_id, key=key, revision=revision, repo_type="dataset", allow_downloads=allow_downloads)
+    where = f"{repo_id} ({'subset ' + subset + ', ' if subset else ''}split {split})"
+    try:
+        ds = datasets.load_dataset(str(snap.path), name=subset, split=split, keep_in_memory=True)
+    except ValueError as e:  # an unknown subset or split: name the key and what exists
+        raise _hub_layout_error(snap.path, repo_id, split_key, split, subset) or DataError(
+            f"{key}: {where}: cannot read: {str(e).splitlines()[0]}") from e
+    _check_columns(ds, "", where, "parquet", {"question": question_key, "answer": answer_key})
+    if len(ds) == 0:
+        raise DataError(f"{split_key}: {where} is empty")
+    return ds
+
+
+def _hub_layout_error(local: Path, repo_id: str, split_key: str, split: str, subset: str | None) -> DataError | None:
+    """The DataError for a subset or split the snapshot at ``local`` lacks (with the ones it has), else None."""
+    import datasets
+
+    subsets = datasets.get_dataset_config_names(str(local))
+    if subset is None and len(subsets) > 1:
+        return DataError(f"data.subset: {repo_id} has several subsets, name one: {subsets}")
+    if subset is not None and subset not in subsets:
+        return DataError(f"data.subset: {subset!r} is not a subset of {repo_id} (subsets: {subsets})")
+    splits = datasets.get_dataset_split_names(str(local), subset)
+    if split not in splits:
+        return DataError(f"{split_key}: {split!r} is not a split of {repo_id}"
+                         f"{' subset ' + subset if subset else ''} (splits: {splits})")
+    return None
+
+
+def load_data(path: str, data_cfg, *, key: str, split_key: str, split: str, allow_downloads: bool = False):
+    """A data key's rows: a hub dataset (``load_hub_split``) or a file (``load_split``), by ``storage.hub``'s rule."""
+    from storage.hub import hub_dataset
+
+    cols = dict(question_key=data_cfg.question_key, answer_key=data_cfg.answer_key)
+    if hub_dataset(path) is not None:
+        return load_hub_split(path, key=key, split_key=split_key, split=split, subset=data_cfg.subset,
+                              allow_downloads=allow_downloads, **cols)
+    return load_split(path, endpoint_url=data_cfg.s3_endpoint_url, **cols)
+
+
 def rows(ds, *, question_key: str, answer_key: str, indices, task: str | None = None) -> list[dict]:
     """Rows as {'id', 'question', 'answer'} dicts (answers as strings; ``id`` = the row's index in the file, so
     per-prompt results pair across runs) for the given indices; with ``task`` each row also carries it
@@ -193,11 +245,15 @@ class PromptSource:
         self.seed, self.shuffle, self.task = seed, shuffle, task
 
     @classmethod
-    def from_config(cls, data_cfg, *, train_path: str, validation_path: str, seed: int) -> PromptSource:
-        kw = dict(question_key=data_cfg.question_key, answer_key=data_cfg.answer_key,
-                  endpoint_url=data_cfg.s3_endpoint_url)
-        return cls(load_split(train_path, **kw), load_split(validation_path, **kw),
-                   question_key=data_cfg.question_key, answer_key=data_cfg.answer_key, seed=seed,
+    def from_config(cls, data_cfg, *, train_path: str, validation_path: str, seed: int,
+                    allow_downloads: bool = False) -> PromptSource:
+        """Both splits: files, or hub datasets (``data_cfg.train_split`` / ``validation_split``, ``subset``)."""
+        train = load_data(train_path, data_cfg, key="data.train_path", split_key="data.train_split",
+                          split=data_cfg.train_split, allow_downloads=allow_downloads)
+        validation = load_data(validation_path, data_cfg, key="data.validation_path",
+                               split_key="data.validation_split", split=data_cfg.validation_split,
+                               allow_downloads=allow_downloads)
+        return cls(train, validation, question_key=data_cfg.question_key, answer_key=data_cfg.answer_key, seed=seed,
                    shuffle=data_cfg.shuffle, task=data_cfg.task)
 
     def train_rows(self, step: int, num_prompts: int) -> list[dict]:

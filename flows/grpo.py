@@ -3,9 +3,10 @@
     python -m flows.grpo configs/tiny_fp8_e2e.yaml [key=value ...]
 
 Order: load + validate the recipe (bad keys/types/combinations fail here) -> the CPU line (fp8core.cpu.describe) ->
-embedded assets (bootstrap subflow) when the recipe says ``embedded`` -> the rollout KV-cache check against the
-model's head size and the CPU (cluster.runtime.check_rollout_kv) -> load the datasets (missing file/column, malformed
-line fails here, before any worker starts) -> Ray
+hub ids (``policy.model_name``, data keys ``ORG/NAME``) pinned to a commit in the Hugging Face cache (storage/hub.py;
+one missing fails here, naming the key) -> embedded assets (bootstrap subflow) when the recipe says ``embedded`` ->
+the rollout KV-cache check against the model's head size and the CPU (cluster.runtime.check_rollout_kv) -> load
+the datasets (missing file/column, malformed line fails here, before any worker starts) -> Ray
 (a local single-node Ray, or ``ray.address``) + the PolicyWorker and RolloutWorker actors -> resume from the latest
 complete checkpoint (``checkpointing.resume``: same MLflow run, step counter continues) -> validation at step 0 ->
 ``rl_step`` subflows, validation every ``grpo.val_period`` steps, checkpoints every ``checkpointing.save_period``
@@ -86,7 +87,8 @@ class _Run:
     auth: Any = None  # Ray token auth (cluster.runtime.ray_auth)
     caps: Any = None  # this (driver) node's CPU (fp8core.cpu.cpu_caps); each actor reports its own
     cpu: dict = field(default_factory=dict)  # summary's cpu_* keys: the driver's, then the actors' kinds once up
-    model_dir: Any = None  # the local Hugging Face model directory (embedded assets resolved)
+    model_dir: Any = None  # the local Hugging Face model directory (embedded assets / hub snapshot resolved)
+    hub: dict = field(default_factory=dict)  # key -> storage.hub.Snapshot of each hub id the recipe names
     data: PromptSource | None = None
     val_rows: list = field(default_factory=list)
     eval_rows: dict = field(default_factory=dict)
@@ -157,7 +159,7 @@ def _open_run(config_path: str, overrides: list[str] | None) -> _Run:
     run_dir, ck_uri = resolve_paths(cfg)
     run = _Run(cfg=cfg, run_dir=run_dir, ck_uri=ck_uri, t_start=t_start)
     run_dir.mkdir(parents=True, exist_ok=True)
-    apply_env(run_dir)
+    apply_env(run_dir, allow_downloads=cfg.hub.allow_downloads)
     run.auth = ray_auth(cfg, run_dir)  # Ray token auth (a bad ray.auth_token_path fails here, before any work)
     (run_dir / "config.resolved.yaml").write_text(to_yaml(cfg))
     _say(f"fp8-grpo: recipe {cfg.recipe} ({cfg.precision_tag}), run dir {run_dir}")
@@ -169,18 +171,24 @@ def _open_run(config_path: str, overrides: list[str] | None) -> _Run:
 
 
 def _assets_and_data(run: _Run) -> None:
-    """Assets and data, all before any worker starts: the embedded assets (bootstrap subflow) where the recipe says
-    ``embedded``, the model directory, the rollout KV-cache check, the training, validation and evaluation sets (a
-    missing file or column fails here), then the TEST-ONLY fault warnings."""
+    """Assets and data, all before any worker starts: hub ids pinned (a name the cache lacks fails here), the
+    embedded assets (bootstrap subflow) where the recipe says ``embedded``, the model directory, the rollout KV-cache
+    check, the training, validation and evaluation sets (a missing file or column fails here), then the TEST-ONLY
+    fault warnings."""
     from cluster.runtime import check_rollout_kv
     from data.eval_sets import load_eval_sets
     from data.loading import PromptSource
     from data.prompt import PromptFormat
     from flows.bootstrap import bootstrap_flow
+    from storage.hub import resolve_config
 
     cfg = run.cfg
-    model_dir = cfg.policy.model_name
-    train_path, val_path = cfg.data.train_path, cfg.data.validation_path
+    run.hub = resolve_config(cfg)  # each hub id pinned to the commit its revision points to now
+    hub = run.hub
+    model_dir = str(hub["policy.model_name"].path) if "policy.model_name" in hub else cfg.policy.model_name
+    # hub datasets travel as ORG/NAME@<commit>: the loader reads exactly the pinned snapshot
+    train_path = hub["data.train_path"].pinned if "data.train_path" in hub else cfg.data.train_path
+    val_path = hub["data.validation_path"].pinned if "data.validation_path" in hub else cfg.data.validation_path
     if EMBEDDED in (model_dir, train_path, val_path):
         assets = bootstrap_flow(cfg.bootstrap.assets_dir, cfg.bootstrap.sft_steps, cfg.grpo.seed, cfg.data.task,
                                 cfg.bootstrap.model)
@@ -188,13 +196,14 @@ def _assets_and_data(run: _Run) -> None:
         train_path = assets["train"] if train_path == EMBEDDED else train_path
         val_path = assets["validation"] if val_path == EMBEDDED else val_path
     if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"policy.model_name: {model_dir} is not a local Hugging Face model directory")
+        raise FileNotFoundError(f"policy.model_name: {model_dir} is neither a local Hugging Face model directory nor "
+                                "a hub id ORG/NAME")
     run.model_dir = model_dir
     kv_mode, kv_reason = check_rollout_kv(cfg, Path(model_dir))  # ConfigError where vLLM would refuse the KV cache
     if cfg.policy.generation.vllm_cfg.kv_fp8:
         _say(f"rollout FP8 KV cache: {kv_mode} ({kv_reason})")
     run.data = PromptSource.from_config(cfg.data, train_path=train_path, validation_path=val_path,
-                                        seed=cfg.grpo.seed)
+                                        seed=cfg.grpo.seed, allow_downloads=cfg.hub.allow_downloads)
     run.val_rows = run.data.validation_rows(cfg.grpo.max_val_samples)
     run.eval_rows = load_eval_sets(cfg)  # evaluation.sets: a missing file / column fails here, naming the key
     PromptFormat.from_config(cfg.data)  # data.system_prompt_file / prompt_file: a missing file fails here too
@@ -230,8 +239,9 @@ def _open_mlflow_run(run: _Run) -> None:
     cfg = run.cfg
     run.uri = tracking_uri(cfg, run.run_dir) if cfg.logger.mlflow_enabled else None
     if run.uri:
+        pinned = {f"hub/{key}": snap.pinned for key, snap in run.hub.items()}  # ORG/NAME@<commit> read by the run
         run.run_id = start_run(cfg, run.uri, run_id=(run.resume_state or {}).get("mlflow_run_id"),
-                               extra_params=run.caps.as_params())
+                               extra_params={**run.caps.as_params(), **pinned})
         log_text(run.uri, run.run_id, to_yaml(cfg), "config.resolved.yaml")
 
 
@@ -246,7 +256,7 @@ def _start_workers(run: _Run) -> None:
 
     cfg, uri, run_id = run.cfg, run.uri, run.run_id
     t0 = time.perf_counter()
-    workers = run.workers = start_workers(cfg, Path(run.model_dir), run.run_dir, tag=uuid.uuid4().hex[:8])
+    workers = run.workers = start_workers(cfg, _worker_model(run), run.run_dir, tag=uuid.uuid4().hex[:8])
     info = ray.get(workers.policy.info.remote())
     r_stats, p_cpu = ray.get([workers.rollout.stats.remote(), workers.policy.cpu.remote()])
     _say(f"workers up in {time.perf_counter() - t0:.1f}s: policy {info['num_params'] / 1e6:.2f}M params "
@@ -262,6 +272,13 @@ def _start_workers(run: _Run) -> None:
     run.ctx = RunContext.from_config(cfg, policy=workers.policy_name, rollouts=workers.rollout_names, run_id=run_id,
                                      tracking_uri=uri, model_dir=str(run.model_dir), checkpoint_uri=run.ck_uri,
                                      policy_ranks=workers.policy_names, run_dir=str(run.run_dir))
+
+
+def _worker_model(run: _Run) -> str:
+    """What the workers load: the model directory, except a hub model on a ``ray.address`` cluster, which goes as
+    ORG/NAME@<commit> for each node to resolve in its own Hugging Face cache (storage/hub.py)."""
+    snap = run.hub.get("policy.model_name")
+    return snap.pinned if snap is not None and run.cfg.ray.address else str(run.model_dir)
 
 
 def _initial_kv_scales(run: _Run) -> None:
@@ -504,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
         from data.eval_sets import check_eval_paths
 
         check_eval_paths(cfg)  # evaluation.sets[i].path: a local file that does not exist
+        from storage.hub import resolve_config
+
+        resolve_config(cfg)  # a hub id the Hugging Face cache lacks (downloads off), naming the key
         if cfg.ray.address or cfg.ray.auth_token_path:  # the cluster's token file too (no side effects here)
             from cluster.runtime import ray_auth
 

@@ -70,6 +70,7 @@ from cluster.env import apply_env
 from configs.schema import Config
 from fp8core.cpu import cpu_caps_dict
 from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
+from storage.hub import local_model_dir
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_CACHE_IMPLS = ("auto", "native", "emulated")  # how kv_cache_dtype="fp8" is realised (module docstring)
@@ -202,7 +203,7 @@ class RolloutWorker:
         ``calibration.kv_scales_period``."""
         if not isinstance(cfg, Config):
             raise ValueError(f"cfg must be a configs.schema.Config, got {type(cfg).__name__}")
-        self.model_dir = Path(model_dir)
+        self.model_dir = local_model_dir(model_dir)  # a directory, or ORG/NAME@<commit> in this node's HF cache
         self.cfg = cfg
         self.vllm = cfg.policy.generation.vllm_cfg
         self.fp8 = cfg.rollout_fp8_spec()  # None: BF16 linears

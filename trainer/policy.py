@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 from configs.schema import Config
+from storage.hub import local_model_dir
 from trainer.batch import Batch, _pad_cols, by_length, token_logprobs
 from trainer.dp import (
     DPGroup,
@@ -167,7 +168,7 @@ class PolicyWorker:
         torch.set_num_threads(p.threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(p.threads))
         torch.manual_seed(cfg.grpo.seed)
-        self.model_dir = Path(model_dir)
+        self.model_dir = local_model_dir(model_dir)  # a directory, or ORG/NAME@<commit> in this node's HF cache
         self.run_dir = Path(run_dir) if run_dir else None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":

@@ -16,6 +16,7 @@ READERS = {
     "recipe": ("tasks/tracking.py", "cfg.recipe"),
     "policy.model_name": ("flows/grpo.py", "cfg.policy.model_name"),
     "policy.tokenizer_name": ("configs/schema.py", "p.tokenizer_name"),  # only null / = model_name (rejected else)
+    "policy.model_revision": ("storage/hub.py", "revision=p.model_revision"),
     "policy.train_global_batch_size": ("trainer/policy.py", ".train_global_batch_size"),
     "policy.train_micro_batch_size": ("trainer/policy.py", ".train_micro_batch_size"),
     "policy.logprob_batch_size": ("trainer/policy.py", ".logprob_batch_size"),
@@ -103,6 +104,9 @@ READERS = {
     "data.task": ("data/loading.py", "data_cfg.task"),
     "data.train_path": ("flows/grpo.py", "cfg.data.train_path"),
     "data.validation_path": ("flows/grpo.py", "cfg.data.validation_path"),
+    "data.train_split": ("data/loading.py", "split=data_cfg.train_split"),
+    "data.validation_split": ("data/loading.py", "split=data_cfg.validation_split"),
+    "data.subset": ("data/loading.py", "subset=data_cfg.subset"),
     "data.question_key": ("data/loading.py", ".question_key"),
     "data.answer_key": ("data/loading.py", ".answer_key"),
     "data.max_input_seq_length": ("configs/schema.py", "c.data.max_input_seq_length"),  # checked at load
@@ -140,6 +144,7 @@ READERS = {
     "ray.policy_worker.num_gpus": ("cluster/runtime.py", "pw.num_gpus"),
     "ray.rollout_worker.num_cpus": ("cluster/runtime.py", "rw.num_cpus"),
     "ray.rollout_worker.num_gpus": ("cluster/runtime.py", "rw.num_gpus"),
+    "hub.allow_downloads": ("flows/grpo.py", "allow_downloads=cfg.hub.allow_downloads"),
     "cluster.num_nodes": ("configs/schema.py", "c.cluster.num_nodes"),  # consistency with ray.* checked at load
     "cluster.gpus_per_node": ("configs/schema.py", "c.cluster.gpus_per_node"),
     "cluster.rollout_workers": ("cluster/runtime.py", "cfg.cluster.rollout_workers"),
