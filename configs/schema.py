@@ -379,13 +379,35 @@ class ClusterCfg:
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
 
 
+# The embedded tiny model's size when no ``bootstrap`` size key is set: the values of embedded.tiny_model's
+# TinyModelSpec (and TINY_MOE for the MoE keys), repeated here because configs sits below embedded and the checks of a
+# partial override need them (tests/embedded/test_model_size.py keeps the two equal).
+TINY_MODEL_SIZE = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "intermediate_size": 512, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128}
+MOE_SIZE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
 @dataclass(frozen=True)
 class BootstrapCfg:
-    """Supervised warm start of the embedded tiny model (cached under ``assets_dir``)."""
+    """Supervised warm start of the embedded tiny model (cached under ``assets_dir``), and that model's size: each size
+    key is a TinyModelSpec field of the same name; null keeps the built-in size (``TINY_MODEL_SIZE``)."""
 
     assets_dir: str = "runs/assets"  # relative paths are relative to the working directory (shared across runs)
     sft_steps: int | None = None  # None: embedded.bootstrap.SFTConfig's default
     model: Literal["dense", "moe"] = "dense"  # the embedded tiny Qwen3, or its Mixture-of-Experts twin (8 experts, top-2)
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None  # the head size follows as hidden_size / num_attention_heads
+    num_key_value_heads: int | None = None
+    intermediate_size: int | None = None
+    num_experts: int | None = None  # MoE keys: bootstrap.model: moe only
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+
+    def model_size(self) -> dict[str, int]:
+        """The size keys that are set, by TinyModelSpec field name (embedded.bootstrap.model_spec applies them);
+        empty = the built-in model, in its usual cache directories."""
+        return {k: getattr(self, k) for k in TINY_MODEL_SIZE if getattr(self, k) is not None}
 
 
 @dataclass(frozen=True)
@@ -517,6 +539,7 @@ def _validate(c: Config):
     _validate_checkpointing(c)
     _check(bool(c.data.question_key) and bool(c.data.answer_key), "data.question_key", "column names must be non-empty")
     _validate_evaluation(c)
+    _validate_model_size(c)
 
 
 def _validate_sizes(c: Config):
@@ -761,6 +784,35 @@ def _validate_evaluation(c: Config):
         s = getattr(c.testing, key)
         _check(0 <= s <= c.grpo.max_num_steps, f"testing.{key}",
                f"TEST-ONLY fault: a step in [1, grpo.max_num_steps={c.grpo.max_num_steps}] (0 = off), got {s}")
+
+
+def _validate_model_size(c: Config):
+    """The embedded model's size keys: positive, for the embedded model only (MoE keys for ``model: moe`` only), and
+    shapes the FP8 recipes tile (as TinyModelSpec checks): every FP8 linear's input features (hidden_size,
+    intermediate sizes) a multiple of 128 for the 128x128 weight blocks and 1x128 activation groups, the K/V
+    projections' output a multiple of 64, heads that divide, a head size vLLM's CPU attention takes."""
+    b, set_keys = c.bootstrap, c.bootstrap.model_size()
+    for key, value in set_keys.items():
+        _check(value >= 1, f"bootstrap.{key}", f"must be a positive integer, got {value}")
+        _check(c.policy.model_name == EMBEDDED, f"bootstrap.{key}",
+               f"sizes the embedded model only, but policy.model_name is {c.policy.model_name!r}")
+        _check(b.model == "moe" or key not in MOE_SIZE_KEYS, f"bootstrap.{key}", "applies to bootstrap.model: moe only")
+    size = {**TINY_MODEL_SIZE, **set_keys}
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size"):
+        _check(size[key] % 128 == 0, f"bootstrap.{key}",
+               f"{size[key]} is not a multiple of 128 (FP8 weight blocks are 128x128)")
+    hidden, heads, kv = size["hidden_size"], size["num_attention_heads"], size["num_key_value_heads"]
+    _check(hidden % heads == 0, "bootstrap.num_attention_heads",
+           f"{heads} does not divide bootstrap.hidden_size {hidden}")
+    _check(heads % kv == 0, "bootstrap.num_key_value_heads", f"{kv} does not divide bootstrap.num_attention_heads {heads}")
+    head = hidden // heads
+    _check(head % 32 == 0, "bootstrap.num_attention_heads",
+           f"head size {hidden} / {heads} = {head} is not a multiple of 32 (vLLM's CPU attention and FP8 KV cache)")
+    _check(kv * head % 64 == 0, "bootstrap.num_key_value_heads",
+           f"K/V projection width {kv} x {head} = {kv * head} is not a multiple of 64 (FP8 linears' output features)")
+    if b.model == "moe":
+        _check(2 <= size["num_experts_per_tok"] <= size["num_experts"], "bootstrap.num_experts_per_tok",
+               f"must be in [2, num_experts={size['num_experts']}], got {size['num_experts_per_tok']}")
 
 
 # --------------------------------------------------------------------------------------------------------- loading

@@ -14,7 +14,8 @@ complete, and a finished SFT model is reused when its recipe (steps, seed, lr, b
 ``root``: ``arithmetic`` keeps the original one (``data/``, ``tiny-qwen3-base/``, ``tiny-qwen3-sft/``, retrained
 when the seed changes); ``addition`` lives under ``root/addition/`` with one SFT model per seed
 (``tiny-qwen3-sft-seed<k>/``), so runs with different seeds share the data and base model and never overwrite
-each other's warm start.
+each other's warm start. A model of another size (the ``bootstrap`` size keys, ``model_spec``) has its own base and
+SFT directories, named by its size (``model_stem``), beside the built-in one's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import random
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -159,6 +161,35 @@ def default_sft(task: str, *, seed: int = 0, steps: int | None = None) -> SFTCon
 
 
 MODELS = ("dense", "moe")  # bootstrap.model: the tiny dense Qwen3 or its Mixture-of-Experts twin (TINY_MOE)
+# The size fields a model's cache directories are named by (the ``bootstrap`` size keys), with their short tags.
+SIZE_TAGS = {"hidden_size": "h", "num_hidden_layers": "l", "num_attention_heads": "a", "num_key_value_heads": "kv",
+             "intermediate_size": "i"}
+MOE_SIZE_TAGS = {"num_experts": "e", "num_experts_per_tok": "k", "moe_intermediate_size": "m"}
+
+
+def model_spec(model: str = "dense", size: Mapping[str, int] | None = None) -> TinyModelSpec:
+    """The embedded model of ``bootstrap.model`` at the ``bootstrap`` size keys that are set (``size``, by
+    TinyModelSpec field name; ``Config.bootstrap.model_size()``); unset fields keep TinyModelSpec's (TINY_MOE's)
+    values. The head size follows as hidden_size / num_attention_heads, 64 at the built-in size."""
+    if model not in MODELS:
+        raise ValueError(f"bootstrap.model: {model!r} is not one of {MODELS}")
+    spec = replace(TINY_MOE if model == "moe" else TinyModelSpec(), **(size or {}))
+    if spec.hidden_size % spec.num_attention_heads:
+        raise ValueError(f"bootstrap.num_attention_heads: {spec.num_attention_heads} does not divide "
+                         f"bootstrap.hidden_size {spec.hidden_size}")
+    return replace(spec, head_dim=spec.hidden_size // spec.num_attention_heads)
+
+
+def model_stem(spec: TinyModelSpec) -> str:
+    """The name the base and SFT directories of ``spec`` start with: ``tiny-qwen3`` (``tiny-qwen3-moe``) at the
+    built-in size, else with every size field appended (``tiny-qwen3-h512-l8-a8-kv4-i1024``), so models of
+    different sizes sharing ``bootstrap.assets_dir`` never meet in one directory."""
+    stem = "tiny-qwen3-moe" if spec.is_moe else "tiny-qwen3"
+    tags = {**SIZE_TAGS, **(MOE_SIZE_TAGS if spec.is_moe else {})}
+    builtin = TINY_MOE if spec.is_moe else TinyModelSpec()
+    if all(getattr(spec, f) == getattr(builtin, f) for f in tags):
+        return stem
+    return "-".join([stem, *(f"{tag}{getattr(spec, f)}" for f, tag in tags.items())])
 
 
 def ensure_default_assets(root: str | Path, *, task: str = DEFAULT_TASK, sft: SFTConfig | None = None,
@@ -167,15 +198,14 @@ def ensure_default_assets(root: str | Path, *, task: str = DEFAULT_TASK, sft: SF
                           model: str = "dense") -> dict[str, Path]:
     """Data splits + base tiny model + SFT warm start of ``task`` under ``root`` (reused when already complete).
     ``model="moe"``: the tiny Qwen3-MoE (embedded.tiny_model.TINY_MOE) on the same data, tokenizer and SFT recipe,
-    in ``tiny-qwen3-moe-base`` / ``tiny-qwen3-moe-sft-seed<k>`` beside the dense ones."""
+    in ``tiny-qwen3-moe-base`` / ``tiny-qwen3-moe-sft-seed<k>`` beside the dense ones. ``spec`` (default: ``model``'s
+    built-in size, see ``model_spec``) names the directories (``model_stem``)."""
     if task not in SFT_DEFAULTS:
         raise ValueError(f"data.task: unknown embedded task {task!r} (one of {', '.join(SFT_DEFAULTS)})")
-    if model not in MODELS:
-        raise ValueError(f"bootstrap.model: {model!r} is not one of {MODELS}")
     root = Path(root)
     sft = sft or SFT_DEFAULTS[task]
-    spec = spec or (TINY_MOE if model == "moe" else TinyModelSpec())
-    stem = "tiny-qwen3-moe" if spec.is_moe else "tiny-qwen3"
+    spec = spec or model_spec(model)
+    stem = model_stem(spec)
     n_train = SPLIT_SIZES[task][0] if n_train is None else n_train
     n_validation = SPLIT_SIZES[task][1] if n_validation is None else n_validation
     task_root = root if task == "arithmetic" else root / task

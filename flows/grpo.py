@@ -191,7 +191,7 @@ def _assets_and_data(run: _Run) -> None:
     val_path = hub["data.validation_path"].pinned if "data.validation_path" in hub else cfg.data.validation_path
     if EMBEDDED in (model_dir, train_path, val_path):
         assets = bootstrap_flow(cfg.bootstrap.assets_dir, cfg.bootstrap.sft_steps, cfg.grpo.seed, cfg.data.task,
-                                cfg.bootstrap.model)
+                                cfg.bootstrap.model, cfg.bootstrap.model_size())
         model_dir = assets["model_dir"] if model_dir == EMBEDDED else model_dir
         train_path = assets["train"] if train_path == EMBEDDED else train_path
         val_path = assets["validation"] if val_path == EMBEDDED else val_path

@@ -155,6 +155,15 @@ READERS = {
     "bootstrap.assets_dir": ("flows/grpo.py", "cfg.bootstrap.assets_dir"),
     "bootstrap.sft_steps": ("flows/grpo.py", "cfg.bootstrap.sft_steps"),
     "bootstrap.model": ("flows/grpo.py", "cfg.bootstrap.model"),
+    # the size keys reach the flow as BootstrapCfg.model_size() (flows/grpo.py), applied by embedded.bootstrap.model_spec
+    "bootstrap.hidden_size": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.num_hidden_layers": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.num_attention_heads": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.num_key_value_heads": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.intermediate_size": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.num_experts": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.num_experts_per_tok": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.moe_intermediate_size": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
     "policy.router_replay.enabled": ("trainer/policy.py", "p.router_replay.enabled"),
 }
 

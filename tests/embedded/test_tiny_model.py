@@ -94,8 +94,8 @@ def test_addition_assets_one_warm_start_per_seed(tmp_path):
     kw = dict(task="addition", spec=SMALL, n_train=100, n_validation=16, n_sft=200, log=lambda *_: None)
     a0 = ensure_default_assets(tmp_path, sft=SFTConfig(steps=5, batch_size=8, seed=0), **kw)
     a1 = ensure_default_assets(tmp_path, sft=SFTConfig(steps=5, batch_size=8, seed=1), **kw)
-    assert a0["model_dir"] == tmp_path / "addition" / "tiny-qwen3-sft-seed0"
-    assert a1["model_dir"] == tmp_path / "addition" / "tiny-qwen3-sft-seed1"
+    assert a0["model_dir"] == tmp_path / "addition" / "tiny-qwen3-h128-l2-a2-kv1-i256-sft-seed0"  # SMALL's own dirs
+    assert a1["model_dir"] == tmp_path / "addition" / "tiny-qwen3-h128-l2-a2-kv1-i256-sft-seed1"
     assert json.loads((a0["model_dir"] / ".complete").read_text())["seed"] == 0  # seed 1 did not overwrite seed 0
     assert a0["validation"] == a1["validation"] and a0["base_model_dir"] == a1["base_model_dir"]
     rows = [json.loads(line) for line in a0["sft"].read_text().splitlines()]
@@ -148,7 +148,7 @@ def test_moe_spec_builds_a_qwen3_moe_beside_the_dense_assets(tmp_path):
     kw = dict(task="addition", n_train=50, n_validation=8, n_sft=64, log=lambda *_: None)
     a = ensure_default_assets(tmp_path, sft=SFTConfig(steps=2, batch_size=4), spec=moe, model="moe", **kw)
     d = ensure_default_assets(tmp_path, sft=SFTConfig(steps=2, batch_size=4), spec=SMALL, **kw)
-    assert a["model_dir"] == tmp_path / "addition" / "tiny-qwen3-moe-sft-seed0"
+    assert a["model_dir"] == tmp_path / "addition" / "tiny-qwen3-moe-h128-l2-a2-kv1-i256-e4-k2-m128-sft-seed0"
     assert a["validation"] == d["validation"] and a["base_model_dir"] != d["base_model_dir"]
     assert (a["model_dir"] / "tokenizer.json").read_text() == (d["model_dir"] / "tokenizer.json").read_text()
     model = AutoModelForCausalLM.from_pretrained(a["model_dir"])
