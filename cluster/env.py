@@ -29,7 +29,10 @@ def cache_env(run_dir: Path) -> dict[str, str]:
              "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1",
              "VLLM_NO_USAGE_STATS": "1", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
              "VLLM_LOGGING_LEVEL": "ERROR", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-             "TRANSFORMERS_VERBOSITY": "error", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+             "TRANSFORMERS_VERBOSITY": "error", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+             # Prefect waits 20 s for a run's temporary server to answer; a busy 2-core machine can take longer,
+             # and the run then died before its first task
+             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
     return {**env, **fixed}
 
 

@@ -49,7 +49,7 @@ def test_sigkill_after_first_checkpoint_then_resume(stack, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "flows.grpo", *base], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: (ck / "step_000001" / MANIFEST).exists() or proc.poll() is not None, 420,
+        wait_for(lambda: (ck / "step_000001" / MANIFEST).exists() or proc.poll() is not None, 900,
                  "first checkpoint", poll=0.05)
         assert proc.poll() is None, f"run ended before its first checkpoint:\n{(tmp_path / 'first.log').read_text()}"
         os.killpg(proc.pid, signal.SIGKILL)  # the crash: the driver and everything in its process group
@@ -76,7 +76,7 @@ def test_sigkill_after_first_checkpoint_then_resume(stack, tmp_path):
         (d / "trainer_state.json").write_text(json.dumps({"step": bogus, "mlflow_run_id": "bogus"}))
     assert store.latest_step() == done
 
-    r = run_logged([sys.executable, "-m", "flows.grpo", *base, "checkpointing.resume=true"], env=env, timeout=420)
+    r = run_logged([sys.executable, "-m", "flows.grpo", *base, "checkpointing.resume=true"], env=env, timeout=900)
     kill_marked(MARK, mark)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"resume: checkpoint {store.step_uri(done)} (step {done})" in r.stdout
