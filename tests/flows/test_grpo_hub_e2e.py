@@ -1,6 +1,7 @@
 """End to end from hub ids: ``policy.model_name=ORG/NAME`` and the data keys naming a hub dataset, all found offline
 in a Hugging Face cache in the hub's layout, run one RL step through the real pipeline; the run records the hub ids
 and the commits it pinned, and its checkpoint carries the snapshot's files (what the FP8 export reads)."""
+import json
 import random
 import sys
 from pathlib import Path
@@ -34,15 +35,16 @@ def test_one_rl_step_from_a_hub_model_and_a_hub_dataset(tmp_path, monkeypatch, c
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
     rev = add_model(cache, "acme/tiny-qwen3", model)
-    data_rev = add_dataset(cache, "acme/addition", {None: {"train": _addition_rows(16, 1),
-                                                           "validation": _addition_rows(4, 2)}})
+    splits = {"train": _addition_rows(16, 1), "validation": _addition_rows(4, 2)}
+    data_rev = add_dataset(cache, "acme/addition", {None: splits})
     db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [f"logger.mlflow.tracking_uri={db}", "checkpointing.checkpoint_dir=ck", "grpo.max_num_steps=1",
+              "grpo.val_at_start=false", "grpo.max_val_samples=4", "grpo.num_prompts_per_step=4",
+              "grpo.num_generations_per_prompt=4", "policy.train_global_batch_size=16",
+              "policy.train_micro_batch_size=8", "grpo.dynamic_sampling=false"]
     s = grpo(str(ROOT / "configs" / "tiny_bf16.yaml"),
-             [f"run_dir={tmp_path / 'run'}", f"logger.mlflow.tracking_uri={db}", "policy.model_name=acme/tiny-qwen3",
-              "data.train_path=acme/addition", "data.validation_path=acme/addition",
-              "checkpointing.checkpoint_dir=ck", "grpo.max_num_steps=1", "grpo.val_at_start=false",
-              "grpo.max_val_samples=4", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
-              "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "grpo.dynamic_sampling=false"])
+             [*common, f"run_dir={tmp_path / 'run'}", "policy.model_name=acme/tiny-qwen3",
+              "data.train_path=acme/addition", "data.validation_path=acme/addition"])
     assert s["steps_run"] == 1 and s["val_accuracy_end"] is not None
     assert "step   1/1 | reward" in capsys.readouterr().out
     params = MlflowClient(tracking_uri=db).get_run(s["mlflow_run_id"]).data.params
@@ -53,3 +55,15 @@ def test_one_rl_step_from_a_hub_model_and_a_hub_dataset(tmp_path, monkeypatch, c
     for name in ("config.json", "tokenizer.json"):  # the pinned snapshot's files, byte for byte
         assert (ck / name).read_bytes() == (model / name).read_bytes(), name
     assert list((tmp_path / "run").glob("cache/hf")) == []  # no run-local hub cache any more
+
+    # the same run from the directory and local files: the same samples, rewards, update and validation
+    for name, rows in splits.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    d = grpo(str(ROOT / "configs" / "tiny_bf16.yaml"),
+             [*common, f"run_dir={tmp_path / 'run-dir'}", f"policy.model_name={model}",
+              f"data.train_path={tmp_path / 'train.jsonl'}", f"data.validation_path={tmp_path / 'validation.jsonl'}"])
+    c = MlflowClient(tracking_uri=db)
+    for key in ("reward/mean", "rollout/generated_tokens", "loss/pg", "train/grad_norm", "val/accuracy"):
+        hub_h = [(m.step, m.value) for m in c.get_metric_history(s["mlflow_run_id"], key)]
+        dir_h = [(m.step, m.value) for m in c.get_metric_history(d["mlflow_run_id"], key)]
+        assert hub_h and hub_h == dir_h, (key, hub_h, dir_h)
