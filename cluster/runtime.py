@@ -405,8 +405,8 @@ def policy_refs(names: Sequence[str], method: str, *args, **kwargs) -> list:
 
 def start_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str) -> Workers:
     """``model_dir``: a model directory, or a hub model pinned as ORG/NAME@<commit> that each worker resolves in its
-    node's Hugging Face cache (storage/hub.py). Reserve the run's placement group (``cluster.placement_strategy``; fails with the bundles and the cluster's
-    resources if Ray cannot place it), create the PolicyWorker and ``cluster.rollout_workers`` RolloutWorkers in
+    node's Hugging Face cache (storage/hub.py). Reserve the run's placement group (``cluster.placement_strategy``;
+    fails with the bundles and the cluster's resources if Ray cannot place it), create the PolicyWorker and ``cluster.rollout_workers`` RolloutWorkers in
     its bundles (named ``fp8grpo-policy-{tag}``, ``fp8grpo-rollout-{tag}-{k}``) and wait until all are constructed
     (errors surface here, with the actor's traceback)."""
     import ray
