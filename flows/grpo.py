@@ -263,6 +263,10 @@ def _start_workers(run: _Run) -> None:
          f"({info['fp8_layers']} FP8 linears, CPU kind {p_cpu['kind']}) x {len(workers.policies)} trainer(s), rollout {len(workers.rollouts)} x vLLM "
          f"{cfg.policy.generation.vllm_cfg.precision} kv={r_stats['kv_mode']} (CPU kind {r_stats['cpu']['kind']}); "
          f"on {worker_nodes(workers)} Ray node(s)")
+    want = (cfg.policy.threads, cfg.policy.generation.vllm_cfg.threads)
+    if (info["threads"], r_stats["threads"]) != want:
+        _say(f"threads: trainer {info['threads']} of policy.threads={want[0]}, rollout {r_stats['threads']} of "
+             f"vllm_cfg.threads={want[1]} (at most one per CPU the actor may run on)")
     # Tags, not params: a resumed run may land on another CPU (params are immutable in MLflow).
     run.cpu.update(cpu_kind=p_cpu["kind"], cpu_rollout_kind=r_stats["cpu"]["kind"], kv_mode=r_stats["kv_mode"])
     set_tags(uri, run_id, {"cpu/kind": run.caps.kind, "cpu/rollout_kind": r_stats["cpu"]["kind"],

@@ -68,7 +68,7 @@ import torch
 import cluster.quiet  # noqa: F401  third-party start-up noise off before vLLM / transformers / torchao load
 from cluster.env import apply_env
 from configs.schema import Config
-from fp8core.cpu import cpu_caps_dict
+from fp8core.cpu import cpu_caps_dict, usable_threads
 from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
 from storage.hub import local_model_dir
 
@@ -240,6 +240,10 @@ class RolloutWorker:
         from cluster.faults import TestHooks
 
         self.hooks = TestHooks.from_config(cfg, self.run_dir)
+        # vllm_cfg.threads (the actor's OMP_NUM_THREADS), at most one per CPU this process may use; the engine keeps
+        # the count it starts with (_ProcessStateGuard)
+        self.threads = usable_threads(torch.get_num_threads())
+        torch.set_num_threads(self.threads)
         t0 = time.perf_counter()
         self.llm = self._start_engine()
         self.start_s = time.perf_counter() - t0
@@ -621,6 +625,7 @@ class RolloutWorker:
             "last_refit_s": self._last_refit_s,
             "weights_version": self._weights_version,
             "engine_start_s": self.start_s,
+            "threads": self.threads,
             "config": {"vllm_cfg": asdict(self.vllm), "fp8": None if self.fp8 is None else asdict(self.fp8),
                        "seed": self.cfg.grpo.seed, "kv_scales_max_lag": self.kv_scales_max_lag},
         }

@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 from configs.schema import Config
+from fp8core.cpu import usable_threads
 from storage.hub import local_model_dir
 from trainer.batch import Batch, _pad_cols, by_length, token_logprobs
 from trainer.dp import (
@@ -165,8 +166,9 @@ class PolicyWorker:
 
         self.cfg = cfg
         p = cfg.policy
-        torch.set_num_threads(p.threads)
-        os.environ.setdefault("OMP_NUM_THREADS", str(p.threads))
+        self.threads = usable_threads(p.threads)  # policy.threads, at most one per CPU this process may use
+        torch.set_num_threads(self.threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(self.threads))
         torch.manual_seed(cfg.grpo.seed)
         self.model_dir = local_model_dir(model_dir)  # a directory, or ORG/NAME@<commit> in this node's HF cache
         self.run_dir = Path(run_dir) if run_dir else None
@@ -230,7 +232,8 @@ class PolicyWorker:
         return {"num_params": n, "fp8_layers": len(self.fp8_layers), "device": str(self.device),
                 "bf16_mode": self.bf16_mode if self.cfg.policy.precision == "bfloat16" else "off",
                 "clip_bounds": [self.clip_low, self.clip_high], "step": self.step,
-                "num_layers": self.model.config.num_hidden_layers, "dp_rank": self.dp.rank, "dp_world": self.dp.world}
+                "num_layers": self.model.config.num_hidden_layers, "dp_rank": self.dp.rank, "dp_world": self.dp.world,
+                "threads": self.threads}
 
     def bounds(self) -> tuple[float, float]:
         if self.cc is not None:

@@ -216,3 +216,24 @@ print(json.dumps(out))
     r = _probe({}, code)
     assert "FP8GRPO_CPU_CAP" in r["invalid"] and "avx512_bf16" in r["invalid"]
     assert "per process" in r["second"]
+
+
+def test_threads_are_capped_by_the_cpus_this_process_may_use(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert [cpu.usable_threads(n) for n in (1, 2, 4, 8, 0)] == [1, 2, 4, 4, 1]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    assert cpu.usable_cpus() == 1 and cpu.usable_threads(2) == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no affinity API")
+def test_a_process_bound_to_one_cpu_and_its_children_get_one_thread():
+    """The real mask: a process bound to one CPU (as `taskset -c 0`, a cpuset, or a pinned test worker) and a child it
+    starts (as a Ray actor is) both size their threads to that one CPU."""
+    code = ("import os, subprocess, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "from fp8core.cpu import usable_threads\nprint(usable_threads(2))\n"
+            "sys.stdout.flush(); subprocess.run([sys.executable, '-c', "
+            "'from fp8core.cpu import usable_threads; print(usable_threads(2))'], check=True)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "1"]
