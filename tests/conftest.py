@@ -106,17 +106,43 @@ def pytest_collection_modifyitems(config, items):
 
 
 _durations: dict[str, float] = {}
+_outcomes: dict[str, int] = {}
+_session: dict = {}
+
+
+def pytest_sessionstart(session):
+    path = session.config.getoption("--write-durations")
+    if path and not hasattr(session.config, "workerinput"):
+        from tools.results import stamp
+
+        _session.update(t0=time.monotonic(), stamp=stamp("pytest", sys.argv[1:]))  # the code that runs, at the start
 
 
 def pytest_runtest_logreport(report):
     nodeid = report.nodeid.split("@", 1)[0]  # xdist's loadgroup appends "@<group>" to grouped tests' ids
     _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
+    if report.when == "call" or report.outcome != "passed":
+        _outcomes[report.outcome] = _outcomes.get(report.outcome, 0) + 1
 
 
 def pytest_sessionfinish(session):
+    """The controller (or a run without xdist) writes the ledger: PATH (JSON, what orders the next run) and, beside
+    it, PATH with .md (its slowest tests as the table tests/README.md shows, stamped like docs/results/)."""
     path = session.config.getoption("--write-durations")
-    if path and not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist) writes it
-        Path(path).write_text(json.dumps({k: round(v, 2) for k, v in sorted(_durations.items())}, indent=1) + "\n")
+    if not path or hasattr(session.config, "workerinput"):
+        return
+    path = Path(path)
+    path.write_text(json.dumps({k: round(v, 2) for k, v in sorted(_durations.items())}, indent=1) + "\n")
+    from tools.results import format_result
+
+    wall = time.monotonic() - _session["t0"]
+    slowest = sorted(_durations.items(), key=lambda kv: -kv[1])[:25]
+    body = "\n".join(["| s | test |", "|---|---|", *(f"| {s:.0f} | `{k}` |" for k, s in slowest)])
+    counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(_outcomes.items()))
+    workers = getattr(session.config.option, "numprocesses", None) or 0
+    path.with_suffix(".md").write_text(format_result("Test time ledger", body, _session["stamp"], details=[
+        f"- result: {counts}; {wall / 60:.1f} min on {workers or 1} worker(s) ({os.cpu_count()} CPUs); the tests' "
+        f"seconds add up to {sum(_durations.values()) / 60:.1f} min"]))
 
 
 def free_port() -> int:
