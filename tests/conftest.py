@@ -105,6 +105,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -cost[item.nodeid])  # stable: ties keep the collection order
 
 
+def pytest_collection_finish(session):
+    """On an xdist worker with ``--dist loadgroup``: xdist must have tagged the stack tests with their group (it
+    appends "@stack" to the node id); pytest 9.2 ignores that tag, and the stack tests then start one stack per
+    worker. Stop before any test runs instead."""
+    if getattr(session.config.option, "loadgroup", False):
+        lost = [i.nodeid for i in session.items if "stack" in getattr(i, "fixturenames", ()) and "@" not in i.nodeid]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist did not group {len(lost)} stack tests (e.g. {lost[0]}): this pytest "
+                                    "and pytest-xdist do not work together; install requirements-dev.txt's pins")
+
+
 _durations: dict[str, float] = {}
 _outcomes: dict[str, int] = {}
 _session: dict = {}
