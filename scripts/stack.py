@@ -203,6 +203,10 @@ def stack_env(run_dir: Path, state: dict) -> dict[str, str]:
         "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONUNBUFFERED": "1",
     })
+    # The stack's MLflow serves tracking and artifacts; its job runner (GenAI jobs, which the pipeline never submits)
+    # would start a dozen huey consumer processes of ~4 s CPU each and keep them polling. MLFLOW_SERVER_ENABLE_JOB_
+    # EXECUTION=true in the caller's environment turns it back on.
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     cache = run_dir / "cache"
     for key, path in (("VLLM_CACHE_ROOT", cache / "vllm"), ("TORCHINDUCTOR_CACHE_DIR", cache / "inductor"),
                       ("HF_HOME", cache / "hf")):
