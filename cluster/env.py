@@ -32,7 +32,10 @@ def cache_env(run_dir: Path) -> dict[str, str]:
              "TRANSFORMERS_VERBOSITY": "error", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
              # Prefect waits 20 s for a run's temporary server to answer; a busy 2-core machine can take longer,
              # and the run then died before its first task
-             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+             "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+             # a local Ray prestarts idle Python workers for plain tasks when the driver connects (two more on 2
+             # CPUs, ~1.5 s CPU each); the run's actors carry their own runtime_env and never use them
+             "RAY_prestart_worker_first_driver": "0"}
     return {**env, **fixed}
 
 
