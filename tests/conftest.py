@@ -90,29 +90,34 @@ def _estimate(item: pytest.Item, ledger: dict[str, float]) -> float:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Longest first (by the ledger), so that parallel workers (scripts/test.sh: pytest-xdist, ``--dist loadgroup``)
-    take the minute-long end-to-end tests at the start and finish together on the fast set. The tests that use the
-    local stack (one Prefect + MLflow server per pytest process: the session fixture ``stack``) form one group, run
-    by one worker, placed by the group's total time."""
+    """Whole modules, longest first (by the ledger), so that parallel workers (scripts/test.sh: pytest-xdist,
+    ``--dist loadgroup``) take the minute-long end-to-end tests at the start and finish together on the fast set.
+    Each module is one xdist group and stays in one piece: its module-scoped fixtures (engines, trainers, built
+    models) are built once, where a test-by-test order rebuilt them for every test (~9 s each). The tests that use
+    the local stack (one Prefect + MLflow server per pytest process: the session fixture ``stack``) form one group
+    across their modules, placed by the group's total time."""
     ledger = json.loads(LEDGER.read_text()) if LEDGER.exists() else {}
-    cost = {item.nodeid: _estimate(item, ledger) for item in items}
-    stack = [item for item in items if "stack" in getattr(item, "fixturenames", ())]
-    for item in stack:
-        item.add_marker(pytest.mark.xdist_group("stack"))
-    group_s = sum(cost[item.nodeid] for item in stack)
-    for item in stack:
-        cost[item.nodeid] = group_s
-    items.sort(key=lambda item: -cost[item.nodeid])  # stable: ties keep the collection order
+    group = {item.nodeid: "stack" if "stack" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+             for item in items}
+    total: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        g = group[item.nodeid]
+        total[g] = total.get(g, 0.0) + _estimate(item, ledger)
+        first.setdefault(g, i)
+        item.add_marker(pytest.mark.xdist_group(g))
+    order = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-total[group[item.nodeid]], first[group[item.nodeid]], order[item.nodeid]))
 
 
 def pytest_collection_finish(session):
-    """On an xdist worker with ``--dist loadgroup``: xdist must have tagged the stack tests with their group (it
-    appends "@stack" to the node id); pytest 9.2 ignores that tag, and the stack tests then start one stack per
-    worker. Stop before any test runs instead."""
+    """On an xdist worker with ``--dist loadgroup``: xdist must have tagged every test with its group (it appends
+    "@<group>" to the node id); pytest 9.2 ignores that tag, and the stack tests then start one stack per worker and
+    modules are split. Stop before any test runs instead."""
     if getattr(session.config.option, "loadgroup", False):
-        lost = [i.nodeid for i in session.items if "stack" in getattr(i, "fixturenames", ()) and "@" not in i.nodeid]
+        lost = [i.nodeid for i in session.items if "@" not in i.nodeid]
         if lost:
-            raise pytest.UsageError(f"pytest-xdist did not group {len(lost)} stack tests (e.g. {lost[0]}): this pytest "
+            raise pytest.UsageError(f"pytest-xdist did not group {len(lost)} tests (e.g. {lost[0]}): this pytest "
                                     "and pytest-xdist do not work together; install requirements-dev.txt's pins")
 
 
