@@ -8,4 +8,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/install.sh
 WORKERS=${FP8GRPO_TEST_WORKERS:-$(.venv/bin/python -c 'import os; print(max(2, len(os.sched_getaffinity(0))))')}
-exec .venv/bin/python -m pytest -q --timeout=1800 --durations=30 -n "$WORKERS" --dist loadgroup "$@"
+# --no-loadscope-reorder: keep tests/conftest.py order (groups by ledger time); xdist would otherwise put the groups
+# with the most tests first and leave the long single-test end-to-end modules for the end
+exec .venv/bin/python -m pytest -q --timeout=1800 --durations=30 -n "$WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
