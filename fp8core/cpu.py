@@ -323,7 +323,7 @@ def usable_cpus() -> int:
 def usable_threads(requested: int) -> int:
     """``requested`` compute threads (``policy.threads``, ``policy.generation.vllm_cfg.threads``), at most one per
     usable CPU. More OpenMP threads than CPUs only lose: each parallel region ends at a barrier where the early
-    threads spin while the late ones wait for a CPU (measured on 2 cores: a small MLP's update took 1.5 s with one
+    threads spin while the late ones wait for a CPU (measured on 2 cores: a small MLP's update took 1.8 s with one
     thread per process and 8 s with two processes of two threads each)."""
     return max(1, min(int(requested), usable_cpus()))
 
