@@ -8,6 +8,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 
 from prefect import task
@@ -55,12 +56,22 @@ def ui_hint(uri: str | None) -> str:
     return f".venv/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri {uri}"
 
 
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment's artifacts go: next to a sqlite database (``<db dir>/mlartifacts``), so a run's
+    artifacts stay with its tracking store; MLflow's own default there is ``./mlruns`` of whatever directory the
+    process runs in, shared by every database. None (the server's choice) for a tracking server."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).resolve().parent / "mlartifacts").as_uri()
+    return None
+
+
 def experiment_id(c, name: str) -> str:
     """The id of experiment ``name``, created when missing; tagged as a model-training experiment unless it already
     has an ``mlflow.experimentKind``."""
     exp = c.get_experiment_by_name(name)
     if exp is None:
-        return c.create_experiment(name, tags=dict([EXPERIMENT_KIND_TAG]))
+        return c.create_experiment(name, artifact_location=artifact_location(c.tracking_uri),
+                                   tags=dict([EXPERIMENT_KIND_TAG]))
     if EXPERIMENT_KIND_TAG[0] not in exp.tags:  # an older experiment of ours: tag it once (never overwrite a choice)
         c.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND_TAG)
     return exp.experiment_id
@@ -83,11 +94,13 @@ def start_run(cfg, uri: str, *, run_id: str | None = None, extra_params: Mapping
         return run_id
     name = cfg.logger.mlflow.experiment_name
     exp_id = experiment_id(c, name)
-    run = c.create_run(exp_id, run_name=cfg.logger.mlflow.run_name or f"{cfg.recipe}",
-                       tags={"recipe": cfg.recipe, "precision": cfg.precision_tag,
-                             "fp8_recipe": cfg.policy.megatron_cfg.fp8_cfg.fp8_recipe
-                             if cfg.policy.megatron_cfg.fp8_cfg.enabled else "none",
-                             "kv_cache_dtype": cfg.policy.generation.vllm_cfg.kv_cache_dtype})
+    tags = {"recipe": cfg.recipe, "precision": cfg.precision_tag,
+            "fp8_recipe": cfg.policy.megatron_cfg.fp8_cfg.fp8_recipe if cfg.policy.megatron_cfg.fp8_cfg.enabled
+            else "none", "kv_cache_dtype": cfg.policy.generation.vllm_cfg.kv_cache_dtype}
+    faults = [f"testing.{k}={v}" for k, v in sorted(asdict(cfg.testing).items()) if v]
+    if faults:  # a TEST-ONLY fault run is marked as such in the UI (configs/schema.py TestingCfg)
+        tags["testing.fault"] = " ".join(faults)
+    run = c.create_run(exp_id, run_name=cfg.logger.mlflow.run_name or f"{cfg.recipe}", tags=tags)
     flat = {**cfg.flat(), **dict(extra_params or {})}
     params = [Param(k, str(v)[:6000]) for k, v in sorted(flat.items()) if not _SECRET.search(k)]
     for i in range(0, len(params), 100):

@@ -1,5 +1,5 @@
 """MLflow links open the model-training view; experiments we create or reuse carry the model-training kind tag."""
-from tasks.tracking import EXPERIMENT_KIND_TAG, experiment_id, ui_hint, ui_url
+from tasks.tracking import EXPERIMENT_KIND_TAG, artifact_location, experiment_id, ui_hint, ui_url
 
 
 def test_links_carry_the_workflow_type():
@@ -35,3 +35,34 @@ def test_experiments_are_tagged_model_training(tmp_path):
     mine = c.create_experiment("genai", tags={EXPERIMENT_KIND_TAG[0]: "genai_development"})
     experiment_id(c, "genai")  # a user's explicit choice is kept
     assert c.get_experiment(mine).tags[EXPERIMENT_KIND_TAG[0]] == "genai_development"
+
+
+def test_a_fault_run_is_tagged_and_a_real_run_is_not(tmp_path):
+    """A TEST-ONLY fault run carries the ``testing.fault`` tag naming its faults (configs/schema.py TestingCfg)."""
+    from mlflow.tracking import MlflowClient
+
+    from configs.schema import load_config
+    from tasks.tracking import start_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    real = start_run(load_config("configs/tiny_fp8_e2e.yaml", []), uri)
+    fault = start_run(load_config("configs/tiny_fp8_e2e.yaml", ["testing.fault_val_accuracy_drop=0.1"]), uri)
+    c = MlflowClient(tracking_uri=uri)
+    assert "testing.fault" not in c.get_run(real).data.tags
+    assert c.get_run(fault).data.tags["testing.fault"] == "testing.fault_val_accuracy_drop=0.1"
+
+
+def test_artifacts_of_a_sqlite_store_stay_next_to_its_database(tmp_path, monkeypatch):
+    """Not ./mlruns of the working directory (MLflow's default), which every database would share."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    (tmp_path / "store").mkdir()
+    c = MlflowClient(tracking_uri=uri)
+    run = c.create_run(experiment_id(c, "e")).info.run_id
+    c.log_text(run, "x", "note.txt")
+    assert (tmp_path / "store" / "mlartifacts").is_dir() and not (tmp_path / "mlruns").exists()
+    assert c.download_artifacts(run, "note.txt", str(tmp_path)) and (tmp_path / "note.txt").read_text() == "x"
+    assert artifact_location("sqlite:///rel/mlflow.db") == (tmp_path / "rel" / "mlartifacts").as_uri()  # resolved
+    assert artifact_location("http://127.0.0.1:5000") is None  # a tracking server keeps its own artifact root
