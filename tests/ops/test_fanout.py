@@ -1,7 +1,10 @@
 """Rollout fan-out end to end: ``cluster.rollout_workers=2`` runs two vLLM engines in the run's
-placement group; every step refits both from one object in Ray's object store, splits the prompt groups over them,
-and trains on the gathered rollouts; validation fans out too. On the 2-core test machine this is a correctness run
-(1-2 tiny steps), not a speed measurement."""
+placement group; every step refits both from one object in Ray's object store (weights and the FP8 KV cache's
+calibrated Q/K/V scales), splits the prompt groups over them, and trains on the gathered rollouts; validation fans
+out too. The run is the FP8 KV recipe with ``FP8GRPO_CPU_CAP=avx2``: the driver's load-time check picks the emulated
+KV cache and the cap reaches every Ray actor (runtime_env), which reports kind avx2 (the FP8 KV recipe on an AVX2 CPU
+runs instead of killing the rollout actor). On the 2-core test machine this is a correctness run (1-2 tiny steps),
+not a speed measurement."""
 
 from __future__ import annotations
 
@@ -12,15 +15,19 @@ from _ops import TINY
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_two_rollout_engines_two_steps(tmp_path, capsys):
+def test_two_rollout_engines_two_steps(tmp_path, capsys, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     from flows.grpo import grpo
+    from fp8core.cpu import cpu_caps
 
+    capped = cpu_caps().hardware_kind != "other"  # a CPU without AVX2 runs the fan-out uncapped
+    if capped:
+        monkeypatch.setenv("FP8GRPO_CPU_CAP", "avx2")
     db = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    s = grpo("configs/tiny_fp8_e2e.yaml", [*TINY, f"run_dir={tmp_path / 'run'}", f"logger.mlflow.tracking_uri={db}",
-                                           "checkpointing.enabled=false", "cluster.rollout_workers=2",
-                                           "cluster.placement_strategy=STRICT_PACK"])
+    s = grpo("configs/tiny_fp8_e2e_kv.yaml", [*TINY, f"run_dir={tmp_path / 'run'}", f"logger.mlflow.tracking_uri={db}",
+                                              "checkpointing.enabled=false", "cluster.rollout_workers=2",
+                                              "cluster.placement_strategy=STRICT_PACK"])
     out = capsys.readouterr().out
     assert "rollout 2 x vLLM" in out and "step   2/2 | reward" in out, out[-3000:]
     assert s["steps_run"] == 2 and 1.0 <= s["mean_token_mult_prob_error"] < 2.0
@@ -35,3 +42,10 @@ def test_two_rollout_engines_two_steps(tmp_path, capsys):
     assert hist("refit/weights_version") == [0.0, 1.0]  # both engines loaded the policy of the step before
     assert min(hist("time/rollout_engine_min_s")) > 0  # both engines generated
     assert len(hist("val/accuracy")) == 1 and hist("rollout/generated_tokens")[0] > 0
+    assert run.data.metrics["kv/k_scale_mean"] not in (0.0, 1.0)  # calibrated scales, not the unit default
+    if capped:
+        assert "rollout FP8 KV cache: fp8-emulated" in out and "cap avx2 from FP8GRPO_CPU_CAP" in out
+        assert s["cpu_kind"] == "avx2" and s["cpu_rollout_kind"] == "avx2" and s["kv_mode"] == "fp8-emulated"
+        assert run.data.params["cpu/kind"] == "avx2" and run.data.params["cpu/cap"] == "avx2"
+        assert run.data.tags["rollout/kv_mode"] == "fp8-emulated"
+        assert run.data.tags["cpu/rollout_kind"] == run.data.tags["cpu/policy_kind"] == "avx2"
