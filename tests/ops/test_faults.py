@@ -5,7 +5,8 @@
   seeds, so the same samples: nothing lost or duplicated), down to the final checkpoint's weights;
 - a data-parallel trainer rank SIGKILLed mid-step: the run stops within a minute (not after the collective's
   timeout) with an error that names the worker, the last complete checkpoint and ``checkpointing.resume=true``,
-  nothing it started stays up, and the resumed run finishes in the same MLflow run.
+  nothing it started stays up, and the resumed run finishes in the same MLflow run -- on one trainer: the 2 ranks'
+  checkpoint resumes with any number of ranks (2 -> 1 here, 2 -> 2 in tests/trainer/test_dp_policy.py).
 
 The kills are the TEST-ONLY ``testing.fault_kill_*_at_step`` knobs: the worker SIGKILLs its own process at a known
 point (cluster/faults.py), once per run dir."""
@@ -105,11 +106,12 @@ def test_trainer_rank_killed_stops_fast_then_resumes(tmp_path):
     run_id = CheckpointStore(str(ck)).load_state(1)["mlflow_run_id"]
     assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "FAILED"
 
-    r2 = run_logged([sys.executable, "-m", "flows.grpo", *args, "checkpointing.resume=true"], env=_env(mark),
-                    timeout=600)
+    r2 = run_logged([sys.executable, "-m", "flows.grpo", *args, "checkpointing.resume=true",
+                     "cluster.policy_workers=1"], env=_env(mark), timeout=600)
     kill_marked(MARK, mark)
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     assert f"resume: checkpoint {CheckpointStore(str(ck)).step_uri(1)} (step 1)" in r2.stdout
+    assert "x 1 trainer(s)" in r2.stdout, r2.stdout[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["first_step"], summary["last_step"], summary["mlflow_run_id"]) == (2, 3, run_id)
     for key in ("reward/mean", "time/step_s"):
