@@ -62,6 +62,7 @@ os.environ["RAY_AUTH_TOKEN_PATH"] = str(write_token_file(_AUTH_DIR))
 os.environ.pop("RAY_AUTH_TOKEN", None)
 atexit.register(shutil.rmtree, _AUTH_DIR, True)
 os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # as cluster.env sets for runs: no telemetry calls
 
 # FP8GRPO_CPU_CAP=avx2|avx512|avx512_bf16|amx runs the whole suite as on that CPU kind: applied here, before any test
 # imports vLLM (its kernels and FP8-KV support are picked from torch.cpu's probes); a no-op without the variable.
