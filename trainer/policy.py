@@ -235,6 +235,16 @@ class PolicyWorker:
                 "num_layers": self.model.config.num_hidden_layers, "dp_rank": self.dp.rank, "dp_world": self.dp.world,
                 "threads": self.threads}
 
+    def memory(self, *, reset: bool = False) -> dict:
+        """This rank's process memory (trainer.memory.snapshot: ``rss``, ``peak`` since the last reset, CUDA's
+        allocator on a GPU), taken before ``reset`` sets the peak back to the current RSS."""
+        from trainer.memory import reset_peak, snapshot
+
+        out = snapshot()
+        if reset:
+            out["reset"] = reset_peak()
+        return out
+
     def bounds(self) -> tuple[float, float]:
         if self.cc is not None:
             return self.cc.bounds

@@ -1,0 +1,184 @@
+"""Trainer memory per data-parallel rank, measured: ``cluster.policy_workers`` = M PolicyWorker actors (the
+pipeline's own, started by cluster.runtime.start_policy_workers) run ``train_step`` on the same fixed rollouts, on
+locally built Qwen3-shaped models of several sizes.
+
+    .venv/bin/python -m bench.memory                                   # sizes small,medium,large; M = 1,2
+    .venv/bin/python -m bench.memory --sizes small --worlds 1,2 --no-results-doc
+
+Per rank: the baseline is the resident set after the actor was constructed (imports, model load, sharding); each
+step then runs after a peak reset (trainer.memory: VmHWM via /proc/self/clear_refs) and reports its peak resident
+set minus that baseline -- step 1 includes creating the AdamW state, step 2 is the steady state. The table gives
+the largest rank's figure and, for M > 1, its ratio to M = 1 on the same model. Precision: pages (4 KiB) of the
+whole process; glibc keeps freed heap mapped (the trainer asks it to), which a peak after a reset does not count
+twice. The table, stamped (commit, date, CPU, command line: tools.results), goes to docs/results/memory.md
+(``--results-doc PATH``; ``--no-results-doc`` for none)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+# Qwen3-shaped sizes at least 4x apart in parameters (FP8 blocks: hidden / MLP widths multiples of 128)
+SIZES = {
+    "small": {},  # the embedded model: 2.9M
+    "medium": {"hidden_size": 768, "intermediate_size": 1792, "num_hidden_layers": 4, "num_attention_heads": 12,
+               "num_key_value_heads": 4, "head_dim": 64},  # ~24M
+    "large": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 8, "num_attention_heads": 16,
+              "num_key_value_heads": 8, "head_dim": 64},  # ~103M
+}
+PROMPTS, GENERATIONS, PROMPT_LEN, RESPONSE_LEN = 4, 4, 32, 64
+
+
+def build_model(name: str, out: Path) -> Path:
+    from embedded.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(out / "models" / name, TinyModelSpec(**SIZES[name]))
+
+
+def fixed_rollouts(vocab_size: int, *, seed: int = 0) -> tuple[list[dict], list[float]]:
+    """PROMPTS prompts x GENERATIONS samples of fixed lengths (random token ids, rollout logprobs -0.5) and rewards
+    that alternate 1 / 0 in every group (every advantage non-zero: every row trains)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    rollouts, rewards = [], []
+    for _ in range(PROMPTS):
+        prompt = torch.randint(8, vocab_size, (PROMPT_LEN,), generator=g).tolist()
+        samples = []
+        for j in range(GENERATIONS):
+            ids = torch.randint(8, vocab_size, (RESPONSE_LEN,), generator=g).tolist()
+            samples.append({"token_ids": ids, "logprobs": [-0.5] * len(ids), "text": ""})
+            rewards.append(float(j % 2))
+        rollouts.append({"prompt_token_ids": prompt, "samples": samples})
+    return rollouts, rewards
+
+
+def config(recipe: str, world: int, overrides: list[str]):
+    from configs.schema import load_config
+
+    batch = PROMPTS * GENERATIONS
+    return load_config(recipe, [f"cluster.policy_workers={world}", f"grpo.num_prompts_per_step={PROMPTS}",
+                                f"grpo.num_generations_per_prompt={GENERATIONS}",
+                                f"policy.train_global_batch_size={batch}",
+                                f"policy.train_micro_batch_size={batch // 2}", f"policy.logprob_batch_size={batch // 2}",
+                                "policy.threads=1", "ray.policy_worker.num_cpus=0.25", *overrides])
+
+
+def measure(model_dir: Path, recipe: str, world: int, steps: int, out: Path, overrides: list[str]) -> dict:
+    """One layout: M ranks, ``steps`` train steps; per rank the baseline RSS and each step's peak above it."""
+    import ray
+
+    from cluster.runtime import get_fail_fast, policy_refs, start_policy_workers
+
+    cfg = config(recipe, world, overrides)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rollouts, rewards = fixed_rollouts(vocab)
+    tag = f"mem-{model_dir.name}-{world}-{int(time.time())}"
+    names, handles = start_policy_workers(cfg, model_dir, out / tag, tag, env={"OMP_NUM_THREADS": "1"})
+    try:
+        info = get_fail_fast([h.info.remote() for h in handles])
+        base = get_fail_fast(policy_refs(names, "memory", reset=True))
+        per_step = []
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            get_fail_fast(policy_refs(names, "train_step", rollouts, rewards, step=step))
+            wall = time.perf_counter() - t0
+            mem = get_fail_fast(policy_refs(names, "memory", reset=True))
+            per_step.append({"step": step, "wall_s": round(wall, 2),
+                             "peak_above_baseline": [m["peak"] - b["rss"] for m, b in zip(mem, base, strict=True)],
+                             "rss_above_baseline": [m["rss"] - b["rss"] for m, b in zip(mem, base, strict=True)]})
+        return {"model": model_dir.name, "params": info[0]["num_params"], "world": world,
+                "baseline_rss": [b["rss"] for b in base], "steps": per_step}
+    finally:
+        for h in handles:
+            ray.kill(h, no_restart=True)
+
+
+def _mb(x: float) -> str:
+    return f"{x / 2 ** 20:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    """One line per (model, M): params, the largest rank's baseline and its step-1 / last-step peaks above it, and
+    the last step's ratio to M = 1 on the same model."""
+    one = {r["model"]: max(r["steps"][-1]["peak_above_baseline"]) for r in rows if r["world"] == 1}
+    lines = ["| model | params | M | baseline RSS (MB, largest rank) | step 1 peak above baseline (MB) | "
+             "last step peak above baseline (MB) | last step vs M = 1 |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        last = max(r["steps"][-1]["peak_above_baseline"])
+        ratio = f"{last / one[r['model']]:.2f}x" if r["world"] > 1 and one.get(r["model"]) else "-"
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['world']} | {_mb(max(r['baseline_rss']))} | "
+                     f"{_mb(max(r['steps'][0]['peak_above_baseline']))} | {_mb(last)} | {ratio} |")
+    return "\n".join(lines)
+
+
+NOTE = ("What is measured and how to read it: [performance](../performance.md#trainer-memory). Trainer-only: "
+        "`train_step` on fixed rollouts, no engine.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, of {', '.join(SIZES)}")
+    p.add_argument("--worlds", default="1,2", help="comma-separated numbers of data-parallel ranks")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--recipe", default="configs/tiny_fp8_e2e.yaml")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "memory")
+    p.add_argument("overrides", nargs="*", help="recipe overrides (key=value) for every layout")
+    add_results_doc_args(p, "memory")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = p.parse_args(argv)
+    sizes = [s for s in a.sizes.split(",") if s]
+    bad = [s for s in sizes if s not in SIZES]
+    if bad or not sizes:
+        p.error(f"--sizes: unknown {bad or a.sizes!r}; known: {', '.join(SIZES)}")
+    try:
+        worlds = [int(w) for w in a.worlds.split(",")]
+    except ValueError:
+        p.error(f"--worlds: {a.worlds!r} is not a comma-separated list of integers")
+    if any(w < 1 for w in worlds):
+        p.error(f"--worlds: {a.worlds!r}: every number of ranks must be >= 1")
+    if a.steps < 1:
+        p.error(f"--steps: {a.steps} must be >= 1")
+    import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads
+    origin = stamp("bench.memory", argv)
+    try:  # a bad recipe or override fails here, in one line, before any model is built
+        config(a.recipe, 1, a.overrides)
+    except (ValueError, OSError) as e:
+        p.error(str(e).splitlines()[0])
+    import ray
+
+    from cluster.runtime import init_ray
+    from configs.schema import load_config
+
+    a.out = a.out.resolve()
+    a.out.mkdir(parents=True, exist_ok=True)
+    models = {s: build_model(s, a.out) for s in sizes}
+    started = init_ray(load_config(a.recipe, ["ray.num_cpus=4"]), a.out / "ray")
+    rows = []
+    try:
+        for s in sizes:
+            for w in worlds:
+                rows.append(measure(models[s], a.recipe, w, a.steps, a.out, a.overrides))
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if started:
+            ray.shutdown()
+    print(table(rows))
+    (a.out / "latest.json").write_text(json.dumps(rows, indent=1))
+    doc = results_doc(a)
+    if doc:
+        details = [f"- workload: `{a.recipe}`, {PROMPTS} prompts x {GENERATIONS} samples, {PROMPT_LEN} + "
+                   f"{RESPONSE_LEN} tokens, micro-batch {PROMPTS * GENERATIONS // 2}, {a.steps} steps; runs under "
+                   f"`{shown(a.out)}`"]
+        print(f"results: {shown(write_result('memory', 'Trainer memory per rank', table(rows), origin, note=NOTE, details=details, path=doc))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

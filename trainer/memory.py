@@ -1,0 +1,74 @@
+"""A worker process's memory: its resident set now and its peak since the last reset, as Linux reports them
+(``/proc/self/status`` VmRSS / VmHWM; writing ``5`` to ``/proc/self/clear_refs`` resets VmHWM to the current RSS), and
+on CUDA the caching allocator's peak. What ``PolicyWorker.memory`` returns and ``bench.memory`` measures with.
+
+Precision on CPU: pages, not allocations. glibc keeps freed heap memory mapped (the trainer raises the mmap / trim
+thresholds on purpose, trainer.policy.keep_freed_heap_memory), so RSS after a step stays near its peak; a peak taken
+after a reset therefore measures what the step touched beyond what the process already held, which is what a
+second worker on the same node would need."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size now (None where /proc is not available)."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def peak_bytes() -> int | None:
+    """The largest resident set size since the process started or since the last :func:`reset_peak`."""
+    kib = _status_kib("VmHWM")
+    return None if kib is None else kib * 1024
+
+
+def reset_peak() -> bool:
+    """Reset the peak to the current resident set (and CUDA's peak counter). False where the kernel refuses."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+    except Exception:  # noqa: BLE001 - CUDA state is best effort here
+        pass
+    try:
+        fd = os.open(_CLEAR_REFS, os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        os.write(fd, b"5")
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def snapshot() -> dict[str, int | None]:
+    """``{"rss", "peak"}`` in bytes, plus ``cuda_allocated`` / ``cuda_peak`` on a CUDA device."""
+    out: dict[str, int | None] = {"rss": rss_bytes(), "peak": peak_bytes()}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["cuda_allocated"] = int(torch.cuda.memory_allocated())
+            out["cuda_peak"] = int(torch.cuda.max_memory_allocated())
+    except Exception:  # noqa: BLE001
+        pass
+    return out
