@@ -33,7 +33,7 @@ def _cluster_pids(d) -> list[int]:
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_two_nodes_two_engines_two_trainers_checkpoint_and_resume(tmp_path):
+def test_two_nodes_two_engines_two_trainers_write_a_checkpoint(tmp_path):
     from mlflow.tracking import MlflowClient
 
     d = tmp_path / "cluster"
