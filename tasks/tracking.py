@@ -3,10 +3,14 @@ threads (the fluent API's active run is thread-local) and a resumed run logs int
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import os
 import re
+import signal
+import threading
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -78,9 +82,63 @@ def experiment_id(c, name: str) -> str:
 
 
 def client(uri: str):
+    """An MlflowClient for ``uri``; on a database store (sqlite, postgresql, mysql, ...) a stop signal does not
+    interrupt its calls (:class:`_HeldWrites`)."""
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    c = MlflowClient(tracking_uri=uri)
+    return _HeldWrites(c) if _is_database(uri) else c
+
+
+def _is_database(uri: str) -> bool:
+    scheme = uri.split(":", 1)[0].lower() if ":" in uri else ""
+    return scheme.split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGTERM and SIGINT wait until the block ends, then reach the handlers that were in place. Python-level (the
+    handlers are swapped for one that records the signal; a thread mask would not do: the kernel hands a process's
+    signal to any thread that does not block it, and CPython runs the handler in the main thread anyway). Main thread
+    only (only it may set handlers, and only it runs them); elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    # a handler installed outside Python (getsignal: None) cannot be put back: leave that signal alone
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) is not None}
+    for s in old:
+        signal.signal(s, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for s in caught:
+            signal.raise_signal(s)
+
+
+class _HeldWrites:
+    """An MlflowClient whose calls run with stop signals held (all but ``download_*``, which copy artifact files
+    and touch no database). MLflow's database store rolls a session back on ``Exception`` only: a stop signal raised
+    inside a write (Prefect's TerminationSignal, KeyboardInterrupt) left its transaction open, and the run's own last
+    write -- marking the MLflow run KILLED -- then failed with sqlite's "database is locked" after ~20 s, leaving the
+    run RUNNING. A database call takes milliseconds, so the signal waits that long."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._inner, name)
+        if not callable(attr) or name.startswith("download_"):
+            return attr
+
+        @functools.wraps(attr)
+        def held(*args, **kwargs):
+            with signals_held():
+                return attr(*args, **kwargs)
+
+        return held
 
 
 def start_run(cfg, uri: str, *, run_id: str | None = None, extra_params: Mapping[str, str] | None = None) -> str:

@@ -1,4 +1,6 @@
 """MLflow links open the model-training view; experiments we create or reuse carry the model-training kind tag."""
+import pytest
+
 from tasks.tracking import EXPERIMENT_KIND_TAG, artifact_location, experiment_id, ui_hint, ui_url
 
 
@@ -66,3 +68,42 @@ def test_artifacts_of_a_sqlite_store_stay_next_to_its_database(tmp_path, monkeyp
     assert c.download_artifacts(run, "note.txt", str(tmp_path)) and (tmp_path / "note.txt").read_text() == "x"
     assert artifact_location("sqlite:///rel/mlflow.db") == (tmp_path / "rel" / "mlartifacts").as_uri()  # resolved
     assert artifact_location("http://127.0.0.1:5000") is None  # a tracking server keeps its own artifact root
+
+
+def test_a_stop_signal_during_a_database_write_waits_for_it(tmp_path):
+    """A SIGTERM that lands inside a write to a sqlite store (as one did in the SIGTERM e2e test: inside the
+    checkpoint task's MLflow write) is delivered when the write is done, so the transaction commits instead of
+    staying open and locking the database against the run's final KILLED status."""
+    import os
+    import signal
+
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    from tasks.tracking import client
+
+    class Stop(BaseException):
+        pass
+
+    def stop(signum, frame):
+        raise Stop
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    c = client(uri)
+    run = c.create_run(experiment_id(c, "e")).info.run_id
+    real = SqlAlchemyStore.set_tag
+
+    def set_tag_hit_by_a_signal(self, run_id, tag):  # the signal arrives while the write is under way
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, run_id, tag)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        SqlAlchemyStore.set_tag = set_tag_hit_by_a_signal
+        with pytest.raises(Stop):
+            c.set_tag(run, "k", "v")
+    finally:
+        SqlAlchemyStore.set_tag = real
+        signal.signal(signal.SIGTERM, old)
+    assert c.get_run(run).data.tags["k"] == "v"  # the write completed before the handler ran
+    c.set_terminated(run, status="KILLED")  # and the store is not locked afterwards
+    assert c.get_run(run).info.status == "KILLED"
