@@ -3,20 +3,19 @@ threads (the fluent API's active run is thread-local) and a resumed run logs int
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
 import os
 import re
-import signal
-import threading
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+
+from cluster.signals import signals_held
 
 _SECRET = re.compile(r"(secret|password|token|credential|access_key|session_key)", re.I)
 
@@ -93,43 +92,6 @@ def client(uri: str):
 def _is_database(uri: str) -> bool:
     scheme = uri.split(":", 1)[0].lower() if ":" in uri else ""
     return scheme.split("+", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
-
-
-@contextlib.contextmanager
-def signals_held():
-    """SIGTERM and SIGINT wait until the block ends, then reach the handlers that were in place. Python-level (the
-    handlers are swapped for one that records the signal; a thread mask would not do: the kernel hands a process's
-    signal to any thread that does not block it, and CPython runs the handler in the main thread anyway). Main thread
-    only (only it may set handlers, and only it runs them); elsewhere a no-op.
-
-    The swap holds Prefect's SIGTERM-bridge lock: Prefect's control listener (another thread) acknowledges a
-    runner's cancel only while its own handler is installed, checking under that lock, so it waits out the block
-    instead of finding the recorder and falling back to a crash-style stop."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    with _prefect_bridge_lock():
-        # a handler installed outside Python (getsignal: None) cannot be put back: leave that signal alone
-        old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) is not None}
-        for s in old:
-            signal.signal(s, lambda signum, frame: caught.append(signum))
-        try:
-            yield
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
-    for s in caught:
-        signal.raise_signal(s)
-
-
-def _prefect_bridge_lock():
-    try:  # Prefect 3.7's lock around installing / checking its SIGTERM bridge (a re-entrant lock)
-        from prefect.utilities.engine import _prefect_sigterm_bridge_lock
-
-        return _prefect_sigterm_bridge_lock
-    except ImportError:  # another Prefect version: no listener to coordinate with
-        return contextlib.nullcontext()
 
 
 class _HeldWrites:
