@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.env import cache_env
-from cluster.signals import signals_held
 from configs.schema import Config
 
 NAMESPACE = "fp8-grpo"
@@ -292,15 +291,9 @@ def get_fail_fast(refs: Sequence) -> list:
     refs = list(refs)
     values, pending = {}, refs
     while pending:
-        # short waits with stop signals held: a signal raises in Python between them (cluster.signals)
-        with signals_held():
-            done, pending = ray.wait(pending, num_returns=1, fetch_local=False, timeout=WAIT_SLICE_S)
-        if done:
-            values[done[0]] = ray.get(done[0])  # raises the failure of a finished ref at once
+        done, pending = ray.wait(pending, num_returns=1, fetch_local=False)
+        values[done[0]] = ray.get(done[0])  # raises the failure of a finished ref at once
     return [values[r] for r in refs]
-
-
-WAIT_SLICE_S = 0.5  # the longest a stop signal waits while the driver waits on its workers
 
 
 class WorkerLost(RuntimeError):

@@ -1,13 +1,13 @@
 """Stop signals (SIGTERM, SIGINT) held while the driver is inside library code that must not be interrupted by an
-exception from a signal handler, then delivered to the handlers that were in place.
+exception from a signal handler, then delivered to the handlers that were in place: MLflow's database store (a stop
+signal raised inside a write left its transaction open: tasks.tracking).
 
-Two places need it: MLflow's database store (a stop signal raised inside a write left its transaction open:
-tasks.tracking) and Ray's blocking waits. A handler that raises anything but KeyboardInterrupt / SystemExit inside
-``ray.wait`` / ``ray.get`` -- Prefect's TerminationSignal, inside a flow run -- escapes Ray's Cython signal check:
-the wait then fails with ``SystemError: ... returned a result with an exception set`` (measured with Ray 2.60), and
-in one run of the SIGTERM test the signal was not acted on at all and the run kept stepping. The driver therefore
-waits on Ray in short slices with the signals held (cluster.runtime.get_fail_fast), so a stop signal is raised in
-Python code at most one slice later."""
+Known and not handled here: a handler that raises anything but KeyboardInterrupt / SystemExit inside Ray's blocking
+``ray.wait`` / ``ray.get`` -- Prefect's TerminationSignal, inside a flow run -- escapes Ray's Cython signal check,
+and the wait fails with ``SystemError: ... returned a result with an exception set`` (measured with Ray 2.60).
+Holding the signal for whole waits is not a fix: Prefect's control listener acknowledges a runner's cancel only while
+Prefect's own handler is installed, and holding its bridge lock for the waits kept the listener out (a deployment
+cancel then left the flow-run process running past 30 s)."""
 
 from __future__ import annotations
 

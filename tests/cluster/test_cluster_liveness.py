@@ -12,10 +12,6 @@ from cluster.runtime import NAMESPACE, lost_trainers
 pytestmark = pytest.mark.slow
 
 
-def _sleep(seconds: float) -> None:
-    time.sleep(seconds)
-
-
 class _Rank:
     def cpu(self) -> dict:
         return {"kind": "test"}
@@ -59,38 +55,3 @@ def test_lost_trainers_probes_after_a_non_actor_error():
         if started:
             ray.shutdown()
 
-
-def test_a_stop_signal_while_waiting_on_workers_raises_itself_promptly():
-    """A SIGTERM handler that raises neither KeyboardInterrupt nor SystemExit (Prefect's TerminationSignal inside a
-    flow run) while the driver waits on its workers: raised as itself within one wait slice. Raised inside Ray's own
-    wait it came out as ``SystemError: ... returned a result with an exception set``, or not at all."""
-    import threading
-
-    import ray
-
-    from cluster.runtime import WAIT_SLICE_S, get_fail_fast
-
-    class Stop(BaseException):
-        pass
-
-    def stop(signum, frame):
-        raise Stop
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-    ref = ray.remote(num_cpus=0)(_sleep).remote(60)
-    old = signal.signal(signal.SIGTERM, stop)
-    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM))
-    try:
-        timer.start()
-        t0 = time.monotonic()
-        with pytest.raises(Stop):
-            get_fail_fast([ref])
-        assert time.monotonic() - t0 < 2.0 + 10 * WAIT_SLICE_S  # the signal came after 2 s: one slice later, 5x slack
-    finally:
-        timer.cancel()
-        signal.signal(signal.SIGTERM, old)
-        ray.cancel(ref, force=True)
-        if started:
-            ray.shutdown()
