@@ -54,4 +54,3 @@ def test_lost_trainers_probes_after_a_non_actor_error():
                 pass
         if started:
             ray.shutdown()
-
