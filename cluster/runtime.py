@@ -266,7 +266,7 @@ def start_policy_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag:
     place = (lambda i: {"scheduling_strategy": scheduling(i)}) if scheduling is not None else (lambda i: {})
     init = None
     if m > 1:
-        init = ray.get(ray.remote(free_endpoint).options(num_cpus=0, **place(0)).remote())
+        init = get(ray.remote(free_endpoint).options(num_cpus=0, **place(0)).remote())
     names = tuple(f"fp8grpo-policy-{tag}" if r == 0 else f"fp8grpo-policy-{tag}-{r}" for r in range(m))
     handles = tuple(ray.remote(_policy_actor_class()).options(
         name=names[r], num_cpus=pw.num_cpus, num_gpus=pw.num_gpus, runtime_env={"env_vars": dict(env or {})},
@@ -282,16 +282,62 @@ def policy_call(names: Sequence[str], method: str, *args, **kwargs):
     return get_fail_fast(policy_refs(names, method, *args, **kwargs))[0]
 
 
+WAIT_POLL_S = 0.02  # the longest sleep between two polls of a driver-side wait (the latency it adds, at most)
+
+
+def wait(refs: Sequence, *, num_returns: int | None = None, timeout: float | None = None) -> tuple[list, list]:
+    """``ray.wait(refs, num_returns, timeout, fetch_local=False)`` for the driver, polled from Python: each poll is a
+    non-blocking ``ray.wait`` and the time between polls a ``time.sleep`` (1 ms doubling to :data:`WAIT_POLL_S`).
+
+    Why not Ray's blocking wait: a stop signal's Python handler runs where the main thread is. Inside Ray's wait it
+    runs from Ray's Cython signal check, which passes on KeyboardInterrupt and SystemExit only: Prefect's
+    TerminationSignal (SIGTERM in a flow run) came out as ``SystemError: ... returned a result with an exception
+    set``, and in one run was not acted on at all (the run kept stepping). In ``time.sleep`` the handler's exception
+    is raised as itself, and Prefect's handler stays installed throughout (its control listener needs it to
+    acknowledge a cancel)."""
+    import time
+
+    import ray
+
+    refs = list(dict.fromkeys(refs))  # ray.wait refuses duplicates
+    want = len(refs) if num_returns is None else num_returns
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        done, pending = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        left = None if deadline is None else deadline - time.monotonic()
+        if len(done) >= want or (left is not None and left <= 0):
+            done = done[:want]  # as ray.wait: at most num_returns done (in refs' order), the rest pending
+            finished = set(done)
+            return done, [r for r in refs if r not in finished]
+        time.sleep(pause if left is None else max(0.0, min(pause, left)))
+        pause = min(2 * pause, WAIT_POLL_S)
+
+
+def get(refs, *, timeout: float | None = None):
+    """``ray.get(refs, timeout=timeout)`` (one ref or a list) after :func:`wait` has seen them all finish: the
+    driver's blocking get, with stop signals raised as themselves (see :func:`wait`). Raises Ray's GetTimeoutError
+    when they have not all finished within ``timeout``."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    many = list(refs) if isinstance(refs, (list, tuple)) else [refs]
+    _, pending = wait(many, timeout=timeout)
+    if pending:
+        raise GetTimeoutError(f"{len(pending)} of {len(set(many))} calls not finished within {timeout}s")
+    return ray.get(refs)
+
+
 def get_fail_fast(refs: Sequence) -> list:
     """``ray.get(refs)``, but the first ref that fails raises at once, in completion order (``ray.get`` of a list
     waits in list order: a dead rank 1 would surface only after rank 0, blocked in a collective with it, timed
-    out)."""
+    out). Waits with :func:`wait`."""
     import ray
 
     refs = list(refs)
-    values, pending = {}, refs
+    values, pending = {}, list(dict.fromkeys(refs))
     while pending:
-        done, pending = ray.wait(pending, num_returns=1, fetch_local=False)
+        done, pending = wait(pending, num_returns=1)
         values[done[0]] = ray.get(done[0])  # raises the failure of a finished ref at once
     return [values[r] for r in refs]
 
@@ -359,7 +405,7 @@ def lost_trainers(err: BaseException, names: Sequence[str], *, timeout_s: float 
         left = deadline - time.monotonic()
         if left <= 0:
             break
-        done, pending = ray.wait(pending, num_returns=1, timeout=left, fetch_local=False)
+        done, pending = wait(pending, num_returns=1, timeout=left)
         for ref in done:
             try:
                 ray.get(ref)
@@ -386,7 +432,7 @@ def await_actors(names: Sequence[str], timeout_s: float, *, poll_s: float = 0.5)
         if left <= 0:
             raise TimeoutError(f"rollout engines {waiting} did not come back within {timeout_s:.0f}s")
         refs = {actor(n).stats.remote(): n for n in waiting}
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=left, fetch_local=False)
+        done, _ = wait(list(refs), timeout=left)
         for ref in done:
             try:
                 ray.get(ref)
@@ -433,7 +479,7 @@ def start_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str) -
     bundles = placement_bundles(cfg)
     strategy = cfg.cluster.placement_strategy
     pg = placement_group(bundles, strategy=strategy, name=f"fp8grpo-{tag}")
-    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    ready, _ = wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
         remove_placement_group(pg)
         raise RuntimeError(
@@ -456,7 +502,7 @@ def start_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str) -
             str(model_dir), cfg, run_dir=str(run_dir)) for k in range(n))
     workers = Workers(policy_names, names, policies, rollouts, pg)
     try:
-        ray.get([*(p.info.remote() for p in policies), *(r.stats.remote() for r in rollouts)])
+        get([*(p.info.remote() for p in policies), *(r.stats.remote() for r in rollouts)])
     except BaseException:
         stop_workers(workers, graceful=False)
         raise
@@ -484,7 +530,7 @@ def stop_workers(workers: Workers | None, *, graceful: bool = True) -> None:
         return
     if graceful:
         try:
-            ray.get([r.shutdown.remote() for r in workers.rollouts], timeout=60)
+            get([r.shutdown.remote() for r in workers.rollouts], timeout=60)
         except Exception:  # noqa: BLE001 - best effort before the kill
             pass
     for handle in (*workers.rollouts, *workers.policies):

@@ -2,12 +2,13 @@
 exception from a signal handler, then delivered to the handlers that were in place: MLflow's database store (a stop
 signal raised inside a write left its transaction open: tasks.tracking).
 
-Known and not handled here: a handler that raises anything but KeyboardInterrupt / SystemExit inside Ray's blocking
-``ray.wait`` / ``ray.get`` -- Prefect's TerminationSignal, inside a flow run -- escapes Ray's Cython signal check,
-and the wait fails with ``SystemError: ... returned a result with an exception set`` (measured with Ray 2.60).
-Holding the signal for whole waits is not a fix: Prefect's control listener acknowledges a runner's cancel only while
-Prefect's own handler is installed, and holding its bridge lock for the waits kept the listener out (a deployment
-cancel then left the flow-run process running past 30 s)."""
+The other place a stop signal must not land is Ray's blocking ``ray.wait`` / ``ray.get``: a handler that raises
+anything but KeyboardInterrupt / SystemExit there (Prefect's TerminationSignal, inside a flow run) escapes Ray's
+Cython signal check, and the wait fails with ``SystemError: ... returned a result with an exception set`` (measured
+with Ray 2.60). The driver therefore waits in Python (``cluster.runtime.wait``: non-blocking polls, sleeps between).
+Holding the signals for whole waits instead was tried and is not a fix: Prefect's control listener acknowledges a
+runner's cancel only while Prefect's own handler is installed, and holding its bridge lock for the waits kept the
+listener out (a deployment cancel then left the flow-run process running past 30 s)."""
 
 from __future__ import annotations
 

@@ -248,17 +248,15 @@ def _open_mlflow_run(run: _Run) -> None:
 def _start_workers(run: _Run) -> None:
     """Start the PolicyWorker and RolloutWorker actors, print what came up (and on which CPU kinds), tag the MLflow
     run with the kinds and build the RunContext the tasks share."""
-    import ray
-
-    from cluster.runtime import start_workers, worker_nodes
+    from cluster.runtime import get, start_workers, worker_nodes
     from tasks.context import RunContext
     from tasks.tracking import set_tags
 
     cfg, uri, run_id = run.cfg, run.uri, run.run_id
     t0 = time.perf_counter()
     workers = run.workers = start_workers(cfg, _worker_model(run), run.run_dir, tag=uuid.uuid4().hex[:8])
-    info = ray.get(workers.policy.info.remote())
-    r_stats, p_cpu = ray.get([workers.rollout.stats.remote(), workers.policy.cpu.remote()])
+    info = get(workers.policy.info.remote())
+    r_stats, p_cpu = get([workers.rollout.stats.remote(), workers.policy.cpu.remote()])
     _say(f"workers up in {time.perf_counter() - t0:.1f}s: policy {info['num_params'] / 1e6:.2f}M params "
          f"({info['fp8_layers']} FP8 linears, CPU kind {p_cpu['kind']}) x {len(workers.policies)} trainer(s), rollout {len(workers.rollouts)} x vLLM "
          f"{cfg.policy.generation.vllm_cfg.precision} kv={r_stats['kv_mode']} (CPU kind {r_stats['cpu']['kind']}); "
@@ -414,7 +412,8 @@ def cancelled(e: BaseException) -> bool:
     cancelled Prefect run (CancelledRun), or a cancel the Prefect runner announced before its SIGTERM. The last one
     matters because the signal does not always surface as itself: in one CI run (AVX2 machine) a cancelled deployment
     run reached this handler as an ordinary Exception and was recorded FAILED. Which path turned it into one was not
-    identified (a candidate: Ray's ``ray.get`` checks signals in Cython and only maps KeyboardInterrupt/SystemExit)."""
+    identified for certain (a candidate, since fixed: the signal raised inside Ray's blocking wait, which maps only
+    KeyboardInterrupt/SystemExit; the driver now waits in Python, cluster.runtime.wait)."""
     from prefect.exceptions import CancelledRun
 
     seen: set[int] = set()

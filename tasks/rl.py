@@ -12,7 +12,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster.faults import arm_kill
-from cluster.runtime import actor, await_actors, dead_actors, policy_call, policy_refs, split_groups
+from cluster.runtime import actor, await_actors, dead_actors, get, policy_call, policy_refs, split_groups, wait
 from embedded.verifiers import verify
 from tasks.context import RunContext
 from tasks.tracking import log_metrics
@@ -49,13 +49,13 @@ def refit(ctx: RunContext, kv_scales: dict | None = None) -> dict:
     allows."""
     t0 = time.perf_counter()
     policy = actor(ctx.policy)
-    version = ray.get(policy.info.remote())["step"]  # the policy step of the weights (KV scales are checked against it)
+    version = get(policy.info.remote())["step"]  # the policy step of the weights (KV scales are checked against it)
     # FP8 codes + scales for end-to-end FP8, else FP32 masters: data-parallel ranks gather them to rank 0 (all take
     # part; the others return nothing)
     weights, *others = policy_refs(ctx.trainers, "refit_weights")
     scales = kv_scales if ctx.kv_fp8 else None
-    engine_s = ray.get([actor(name).refit.remote(weights, scales, weights_version=version) for name in ctx.rollouts])
-    ray.get(others)
+    engine_s = get([actor(name).refit.remote(weights, scales, weights_version=version) for name in ctx.rollouts])
+    get(others)
     return {"time/refit_s": time.perf_counter() - t0, "time/refit_engine_s": max(engine_s),
             "time/refit_engine_mean_s": sum(engine_s) / len(engine_s), "refit/weights_version": float(version)}
 
@@ -75,15 +75,15 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     ranges = split_groups(len(prompts), len(ctx.rollouts))
     engines = [actor(name) for name in ctx.rollouts[:len(ranges)]]
     if _fault_due(ctx, "kill_rollout", step):
-        ray.get(engines[0].__ray_call__.remote(arm_kill))  # TEST-ONLY: engine 0 dies mid-rollout (cluster/faults.py)
+        get(engines[0].__ray_call__.remote(arm_kill))  # TEST-ONLY: engine 0 dies mid-rollout (cluster/faults.py)
     n = ctx.group_size
     parts = [e.generate.remote(prompts[a:b], n=n, max_tokens=g.max_new_tokens, temperature=g.temperature,
                                top_p=g.top_p, seed=seed + a * n, weights_version=weights_version,
                                routing=True)  # MoE engines attach each token's experts (replay, moe/* metrics)
              for e, (a, b) in zip(engines, ranges, strict=True)]
     ref = parts[0] if len(parts) == 1 else engines[0].gather.remote(*parts)
-    ray.wait([ref], fetch_local=False)
-    stats = ray.get([e.stats.remote() for e in engines])
+    wait([ref])
+    stats = get([e.stats.remote() for e in engines])
     wall = time.perf_counter() - t0
     tokens = sum(s["last_generated_tokens"] for s in stats)
     gen_s = [s["last_generate_s"] or 0.0 for s in stats]
@@ -105,7 +105,7 @@ def reward(ref: ray.ObjectRef, rows: list[dict]) -> tuple[list[float], dict]:
     """Verifier reward (1.0 when the response's final answer is correct), prompt-major order, and the share of
     responses whose answer is in the task's expected form (``reward/format_valid``)."""
     t0 = time.perf_counter()
-    outs = ray.get(ref)
+    outs = get(ref)
     checks = [_verify(row, s["text"]) for out, row in zip(outs, rows, strict=True) for s in out["samples"]]
     rewards = [1.0 if correct else 0.0 for _, correct in checks]
     truncated = sum(s["finish_reason"] == "length" for out in outs for s in out["samples"])
@@ -118,7 +118,7 @@ def train(ctx: RunContext, ref: ray.ObjectRef, rewards: list[float], step: int) 
     """One GRPO step on the policy actor (loss, IS correction, clipping; Calibrated Clipping on its K-th steps)."""
     t0 = time.perf_counter()
     if _fault_due(ctx, "kill_policy", step):
-        ray.get(actor(ctx.trainers[-1]).__ray_call__.remote(arm_kill))  # TEST-ONLY: the last rank dies mid-step
+        get(actor(ctx.trainers[-1]).__ray_call__.remote(arm_kill))  # TEST-ONLY: the last rank dies mid-step
     m = policy_call(ctx.trainers, "train_step", ref, rewards, step=step)
     m["time/train_s"] = time.perf_counter() - t0
     log_metrics(ctx.tracking_uri, ctx.run_id, m, step)
@@ -167,7 +167,7 @@ def _generate_rows(ctx: RunContext, rows: list[dict], *, n: int, temperature: fl
                 prompts[i:min(i + bs, b)], n=n, max_tokens=ctx.gen.max_new_tokens, temperature=temperature,
                 top_p=top_p, seed=seed0 + i * n)
             for k, (a, b) in enumerate(split_groups(len(prompts), len(ctx.rollouts))) for i in range(a, b, bs)]
-    return [o for part in ray.get(refs) for o in part]
+    return [o for part in get(refs) for o in part]
 
 
 def _set_metrics(prefix: str, records: list[dict], ev, *, sampled: bool) -> dict:
