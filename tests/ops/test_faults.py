@@ -1,12 +1,13 @@
-"""Worker faults, through ``python -m flows.grpo`` with real Ray actors, vLLM engines and MLflow:
+"""Worker faults, through ``python -m flows.grpo`` with real Ray actors, vLLM engines and MLflow, in one run with
+two data-parallel trainer ranks and both faults (3 runs in all: a reference, the faulty run, its resume):
 
-- a rollout engine SIGKILLed mid-rollout: Ray restarts it, the step waits and redoes refit + rollout, the run
-  finishes, and every step's metrics are logged once and equal those of the same run without the fault (same
-  seeds, so the same samples: nothing lost or duplicated), down to the final checkpoint's weights;
-- a data-parallel trainer rank SIGKILLed mid-step: the run stops within a minute (not after the collective's
-  timeout) with an error that names the worker, the last complete checkpoint and ``checkpointing.resume=true``,
-  nothing it started stays up, and the resumed run finishes in the same MLflow run -- on one trainer: the 2 ranks'
-  checkpoint resumes with any number of ranks (2 -> 1 here, 2 -> 2 in tests/trainer/test_dp_policy.py).
+- a rollout engine SIGKILLed mid-rollout (step 2): Ray restarts it, the step waits and redoes refit + rollout, and
+  every step's metrics are logged once and equal those of the same run without the fault (same seeds, so the same
+  samples: nothing lost or duplicated), down to the step's checkpoint weights;
+- a trainer rank SIGKILLed mid-step (step 3): the run stops within a minute (not after the collective's timeout)
+  with an error that names the worker, the last complete checkpoint and ``checkpointing.resume=true``, nothing it
+  started stays up, and the resumed run finishes in the same MLflow run -- on one trainer: the 2 ranks' checkpoint
+  resumes with any number of ranks (2 -> 1 here, 2 -> 2 in tests/trainer/test_dp_policy.py).
 
 The kills are the TEST-ONLY ``testing.fault_kill_*_at_step`` knobs: the worker SIGKILLs its own process at a known
 point (cluster/faults.py), once per run dir."""
@@ -25,7 +26,9 @@ from _ops import TINY, kill_marked, processes_with_env, run_logged, wait_for
 from storage.checkpoint import CheckpointStore
 
 MARK = "FP8_GRPO_OPS_MARK"
-STEPS = ["grpo.max_num_steps=3", "grpo.dynamic_sampling=false"]  # 3 steps (fault at 2); every group trains
+# 3 steps (engine killed at 2, a trainer at 3), every group trains, two ranks, a checkpoint every step
+STEPS = ["grpo.max_num_steps=3", "grpo.dynamic_sampling=false", "cluster.policy_workers=2",
+         "checkpointing.save_period=1"]
 
 
 def _env(mark: str) -> dict:
@@ -53,69 +56,64 @@ def _run(tmp_path, name: str, *extra: str, timeout: float = 600):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_rollout_engine_killed_mid_rollout_step_is_redone(tmp_path):
+def test_engine_killed_step_is_redone_then_trainer_killed_stops_fast_and_resumes(tmp_path):
     import torch
+    from mlflow.tracking import MlflowClient
 
-    ref, ref_dir, ref_uri, _, _ = _run(tmp_path, "reference")
+    ref, ref_dir, ref_uri, _, _ = _run(tmp_path, "reference", "grpo.max_num_steps=2")
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    r, run_dir, uri, _, _ = _run(tmp_path, "faulty", "testing.fault_kill_rollout_at_step=2")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    t0 = time.time()
+    r, run_dir, uri, args, mark = _run(tmp_path, "faulty", "testing.fault_kill_rollout_at_step=2",
+                                       "testing.fault_kill_policy_at_step=3")
+    t_exit = time.time()
+    out = r.stdout + r.stderr
+
+    # the engine killed at step 2: the step is redone, and the run goes on
     assert "TEST-ONLY FAULT: testing.fault_kill_rollout_at_step=2" in r.stdout
     assert (run_dir / "faults" / "kill_rollout_step_000002").exists()
     lines = [ln for ln in r.stdout.splitlines() if "rollout engine(s)" in ln]  # (Ray's raylet also says "died")
     assert len(lines) == 1 and lines[0].startswith("step 2: rollout engine(s) fp8grpo-rollout-"), lines
     assert "redoing refit + rollout (retry 1)" in lines[0]
 
-    run_id = json.loads((run_dir / "summary.json").read_text())["mlflow_run_id"]
+    # the trainer killed at step 3: the run is over (workers ended, MLflow closed) well within a minute
+    assert r.returncode != 0, out[-3000:]
+    marker = run_dir / "faults" / "kill_policy_step_000003"
+    assert marker.exists(), out[-3000:]
+    stop_s = t_exit - marker.stat().st_mtime  # armed just before the step's update
+    print(f"[trainer killed -> run exited in {stop_s:.1f}s; whole run {t_exit - t0:.0f}s]")
+    assert stop_s < 60, stop_s
+    assert "policy worker(s) fp8grpo-policy-" in out and "died during step 3" in out, out[-3000:]
+    ck = run_dir / "checkpoints"
+    assert f"the last complete checkpoint is step 2 under {ck}" in out, out[-3000:]
+    assert "checkpointing.resume=true" in out
+    wait_for(lambda: not processes_with_env(MARK, mark), 30, "every process of the failed run ended")
+    run_id = CheckpointStore(str(ck)).load_state(2)["mlflow_run_id"]
+    assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "FAILED"
+
+    # steps 1-2 logged once each and the same numbers as without the fault: the redone rollout sampled the same
+    # tokens; the step-2 checkpoints hold the same masters
     ref_id = json.loads((ref_dir / "summary.json").read_text())["mlflow_run_id"]
-    assert [v for _, v in _history(uri, run_id, "fault/rollout_retries")] == [0.0, 1.0, 0.0]
-    # every step logged once, and the same numbers as without the fault: the redone rollout sampled the same tokens
     for key in ("reward/mean", "rollout/generated_tokens", "mismatch/token_mult_prob_error", "loss/pg",
                 "train/grad_norm"):
         got, want = _history(uri, run_id, key), _history(ref_uri, ref_id, key)
-        assert [s for s, _ in got] == [1, 2, 3], (key, got)
+        assert [s for s, _ in got] == [1, 2], (key, got)
         assert got == want, (key, got, want)
-    a, b = CheckpointStore(str(run_dir / "checkpoints")), CheckpointStore(str(ref_dir / "checkpoints"))
-    assert a.latest_step() == b.latest_step() == 3
-    wa, wb = a.load(3).weights, b.load(3).weights
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), "final masters differ"
+    a, b = CheckpointStore(str(ck)), CheckpointStore(str(ref_dir / "checkpoints"))
+    wa, wb = a.load(2).weights, b.load(2).weights
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), "step-2 masters differ"
 
-
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_trainer_rank_killed_stops_fast_then_resumes(tmp_path):
-    from mlflow.tracking import MlflowClient
-
-    two = ["cluster.policy_workers=2", "checkpointing.save_period=1"]
-    t0 = time.time()
-    r, run_dir, uri, args, mark = _run(tmp_path, "dp", *two, "testing.fault_kill_policy_at_step=2")
-    t_exit = time.time()
-    out = r.stdout + r.stderr
-    assert r.returncode != 0, out[-3000:]
-    marker = run_dir / "faults" / "kill_policy_step_000002"
-    assert marker.exists(), out[-3000:]
-    # armed just before the step's update: the run is over (workers ended, MLflow closed) well within a minute
-    stop_s = t_exit - marker.stat().st_mtime
-    print(f"[trainer killed -> run exited in {stop_s:.1f}s; whole run {t_exit - t0:.0f}s]")
-    assert stop_s < 60, stop_s
-    assert "policy worker(s) fp8grpo-policy-" in out and "died during step 2" in out, out[-3000:]
-    ck = run_dir / "checkpoints"
-    assert f"the last complete checkpoint is step 1 under {ck}" in out, out[-3000:]
-    assert "checkpointing.resume=true" in out
-    wait_for(lambda: not processes_with_env(MARK, mark), 30, "every process of the failed run ended")
-    run_id = CheckpointStore(str(ck)).load_state(1)["mlflow_run_id"]
-    assert MlflowClient(tracking_uri=uri).get_run(run_id).info.status == "FAILED"
-
+    # resumed on one trainer: the same MLflow run finishes step 3
     r2 = run_logged([sys.executable, "-m", "flows.grpo", *args, "checkpointing.resume=true",
                      "cluster.policy_workers=1"], env=_env(mark), timeout=600)
     kill_marked(MARK, mark)
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
-    assert f"resume: checkpoint {CheckpointStore(str(ck)).step_uri(1)} (step 1)" in r2.stdout
+    assert f"resume: checkpoint {CheckpointStore(str(ck)).step_uri(2)} (step 2)" in r2.stdout
     assert "x 1 trainer(s)" in r2.stdout, r2.stdout[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert (summary["first_step"], summary["last_step"], summary["mlflow_run_id"]) == (2, 3, run_id)
+    assert (summary["first_step"], summary["last_step"], summary["mlflow_run_id"]) == (3, 3, run_id)
     for key in ("reward/mean", "time/step_s"):
         assert [s for s, _ in _history(uri, run_id, key)] == [1, 2, 3], key
+    assert [v for _, v in _history(uri, run_id, "fault/rollout_retries")] == [0.0, 1.0, 0.0]
     assert CheckpointStore(str(ck)).latest_step() == 3
 
 
