@@ -75,17 +75,24 @@ class _BF16Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_r):
+        """``w_r``: the weight's rounded copy (cached by the caller), or None: rounded here and again in the backward
+        from the weight itself, so no copy outlives the forward (a weight gathered per use: trainer.dp)."""
         with torch._C.DisableTorchFunction():
             x_r = round_bf16(x)
             b_r = None if bias is None else round_bf16(bias.detach())
+            ctx.recompute = w_r is None
+            if w_r is None:
+                w_r = round_bf16(weight.detach())
             y = round_bf16(F.linear(x_r, w_r, b_r))
-        ctx.save_for_backward(x_r, w_r)
+        ctx.save_for_backward(x_r, weight if ctx.recompute else w_r)
         ctx.has_bias = bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x_r, w_r = ctx.saved_tensors
+        if ctx.recompute:
+            w_r = round_bf16(w_r.detach())
         with torch._C.DisableTorchFunction():
             dy_r = round_bf16(dy)
             dx = dw = db = None
@@ -118,6 +125,9 @@ class BF16Emulation(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.weights = _RoundedWeights()
+        # False: round each weight per use and keep no copy (weights gathered per use: trainer.dp's per-layer
+        # sharding, where a cached copy of every layer would undo the sharding)
+        self.cache_weights = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -125,7 +135,7 @@ class BF16Emulation(TorchFunctionMode):
             x, w = args[0], args[1]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             if x.dtype == torch.float32 and w.dtype == torch.float32:
-                return _BF16Linear.apply(x, w, b, self.weights.get(w))
+                return _BF16Linear.apply(x, w, b, self.weights.get(w) if self.cache_weights else None)
         elif func in _MATMULS:
             a, b = args[0], args[1]
             if a.dtype == torch.float32 and b.dtype == torch.float32:

@@ -305,7 +305,14 @@ class WeightCache:
 
 
 class _FP8LinearFunction(torch.autograd.Function):
-    """Autograd for the three FP8 GEMMs (module docstring table)."""
+    """Autograd for the three FP8 GEMMs (module docstring table).
+
+    With a :class:`WeightCache` the forward's quantized weight (and, for the emulation, its dequantization) is saved
+    for the backward. Without one (``cache=None``: :func:`fp8_linear`, or an FP8Linear whose weight is gathered per
+    use, as in a per-layer sharded data-parallel trainer) only the weight itself is saved and the backward
+    quantizes it again -- the same codes and scales, as quantization is deterministic -- so no quantized copy of the
+    weight outlives the layer's forward (FSDP frees the gathered weight after the forward and gathers it again
+    for the backward)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, config: FP8LinearConfig, cache: WeightCache | None):
@@ -315,13 +322,14 @@ class _FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, x, weight, bias, config: FP8LinearConfig, cache: WeightCache | None):
-        cache = WeightCache() if cache is None else cache
         backend = resolve_backend(config.backend, x.device)
         emulated = backend == "emulated"
-        w_q, w_dq = cache.get(weight, config, dequantized=emulated)
+        w_q, w_dq = (WeightCache() if cache is None else cache).get(weight, config, dequantized=emulated)
         y = fp8_linear_forward(x, w_q, bias, recipe=config.recipe, pow2_activation=config.pow2_activation,
                                backend=backend, weight_dq=w_dq)
-        if emulated:
+        if cache is None:
+            ctx.save_for_backward(x, weight)
+        elif emulated:
             ctx.save_for_backward(x, weight, w_dq)
         else:
             ctx.save_for_backward(x, weight, w_q.data, w_q.scale)
@@ -332,7 +340,13 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         cfg: FP8LinearConfig = ctx.config
-        if ctx.backend == "emulated":
+        cache = ctx.cache
+        if cache is None:  # quantize the (re-gathered) weight again: the forward's codes and scales
+            x, weight = ctx.saved_tensors
+            cache = WeightCache()
+            w_q, w_dq = cache.get(weight, cfg, dequantized=ctx.backend == "emulated")
+            w_data, w_scale = w_q.data, w_q.scale
+        elif ctx.backend == "emulated":
             x, weight, w_dq = ctx.saved_tensors
         else:
             x, weight, w_data, w_scale = ctx.saved_tensors
@@ -343,7 +357,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.backend == "emulated":  # the same operand values as the scaled_mm branch, dequantized in one pass
             if ctx.needs_input_grad[0]:  # dgrad: dX = dY @ W, contracting N
                 dy_dq = quantize_dequantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)[0]
-                w_nk = ctx.cache.get_rowwise_t(weight, cfg).t() if cfg.recipe == "rowwise" else w_dq
+                w_nk = cache.get_rowwise_t(weight, cfg).t() if cfg.recipe == "rowwise" else w_dq
                 dx = (dy_dq @ w_nk).to(x.dtype).reshape(x.shape)
             if ctx.needs_input_grad[1]:  # wgrad: dW = dY.T @ X, contracting tokens
                 dyt_dq = quantize_dequantize_columns(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
@@ -387,7 +401,8 @@ class FP8Linear(nn.Linear):
         if not isinstance(self.config, FP8LinearConfig):
             raise ValueError(f"FP8Linear config must be an FP8LinearConfig, got {type(self.config).__name__}")
         self.fp8_enabled = True
-        self.weight_cache = WeightCache()
+        # None: quantize per use and keep no copy (a weight gathered per use: trainer.dp's per-layer sharding)
+        self.weight_cache: WeightCache | None = WeightCache()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: FP8LinearConfig | None = None) -> FP8Linear:
@@ -401,7 +416,7 @@ class FP8Linear(nn.Linear):
 
     def quantized_weight(self) -> QuantizedTensor:
         """The forward weight quantization of this layer's recipe (what a serving engine should hold)."""
-        return self.weight_cache.get(self.weight, self.config)[0]
+        return (self.weight_cache or WeightCache()).get(self.weight, self.config)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8core.linear import FP8Linear
+from fp8core.linear import FP8Linear, WeightCache
 from fp8core.moe import PARTS, FP8Experts, FP32Router, checkpoint_state_dict
 
 __all__ = ["SCALE_SUFFIX", "served_state_dict"]
@@ -30,20 +30,23 @@ SCALE_SUFFIX = "_scale_inv"  # <module>.weight -> <module>.weight_scale_inv
 def served_state_dict(model: nn.Module, *, hp_dtype: torch.dtype = torch.bfloat16,
                       state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """HF-named CPU tensors: FP8 codes + scales for the FP8 linears' weights, ``hp_dtype`` copies for the rest.
-    ``state``: the model's full state dict where ``model.state_dict()`` would not give it (a sharded model, whose
-    FP8 linears hold their gathered weights for the call: trainer/dp.py)."""
-    fp8 = {f"{name}.weight": m.quantized_weight() for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    ``state``: the model's full state dict where ``model.state_dict()`` would not give it (a sharded model: the
+    full weights gathered to one rank, trainer/dp.py). The codes are quantized from the state's tensors with each
+    layer's own recipe (the layer's ``quantized_weight()`` of the same values), so a sharded model's layers need
+    not be gathered."""
+    recipes = {f"{name}.weight": m.config for name, m in model.named_modules() if isinstance(m, FP8Linear)}
     for name, m in model.named_modules():
         if isinstance(m, FP8Experts) and m.config is not None:
-            fp8.update({f"{name}.{e}.{part}_proj.weight": m.quantized_weight(e, part)
-                        for e in range(m.num_experts) for part in PARTS})
+            recipes.update({f"{name}.{e}.{part}_proj.weight": m.config
+                            for e in range(m.num_experts) for part in PARTS})
     fp32 = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, FP32Router)}
     out: dict[str, torch.Tensor] = {}
     for name, t in checkpoint_state_dict(model.state_dict() if state is None else state).items():
-        q = fp8.get(name)
-        if q is None:
+        config = recipes.get(name)
+        if config is None:
             out[name] = t.detach().to("cpu", torch.float32 if name in fp32 else hp_dtype).clone()
         else:
+            q = WeightCache().get(t, config)[0]
             out[name] = q.data.detach().cpu().clone()
             out[name + SCALE_SUFFIX] = q.scale.detach().cpu().clone()
     return out

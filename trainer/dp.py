@@ -2,24 +2,35 @@
 group (gloo on CPU, NCCL on GPU), the model sharded with torch's FSDP2 ``fully_shard`` (per decoder layer, then the
 root): each rank holds 1/M of the FP32 masters, of the gradients and of the AdamW state.
 
-How the trainer uses it (trainer/policy.py):
+How the trainer uses it (trainer/policy.py) -- per-layer, as FSDP is meant to run: a decoder layer's full weights
+exist only while that layer computes (gathered before its forward and again before its backward, freed after
+each), gradients are reduce-scattered per layer as the backward passes it, and the root unit (embeddings, final
+norm, output projection) is gathered for the whole forward. A rank's peak is its shards + the root + one decoder
+layer's full weights (+ FSDP's prefetch of the next one) + activations. The FP8 linears and the BF16 emulation keep
+no quantized / rounded copy of a gathered weight (:func:`shard_model` turns their caches off): they quantize per
+use and again in the backward, which gives the same codes.
+
+Per-layer collectives run inside every forward and backward, so every rank must run the same number of them: a
+rank with fewer rows than another pads with forwards of one row whose result is discarded (no-grad passes) or
+with zero-weighted micro-batches (``0 x`` the loss of one row: every layer's backward runs and adds zeros).
 
 * Training: every rank gets the whole step's batch (one object in Ray's object store) and trains on a contiguous
-  share of each optimizer update's rows. The loss normalizer (tokens or sequences of the *global* update) is known on
-  every rank from the whole batch, so no collective is needed for it. The update's micro-batches run inside
-  :func:`local_accumulation`: parameters all-gathered once, gradients accumulated unsharded with no communication
-  (ranks may run different numbers of micro-batches, or none), then its ``reduce`` runs one zero-weighted
-  forward/backward with gradient sync on, which reduce-scatters the accumulated gradients (summed, not averaged:
-  the loss is already normalized globally). With ``M`` dividing the update's rows and the micro-batch size dividing
-  each share, rank ``r``'s micro-batches are exactly micro-batches of the single-worker run, so FP8 rounding (whose
-  1x128 groups along tokens depend on which rows share a micro-batch) is the same and only the order of the gradient
-  sum differs.
+  share of each optimizer update's rows, in micro-batches; each micro-batch's backward reduce-scatters its
+  gradients, which FSDP accumulates into the sharded gradients (summed over ranks, not averaged: the loss is
+  already normalized by the *global* update's tokens or sequences, known on every rank from the whole batch). With
+  ``M`` dividing the update's rows and the micro-batch size dividing each share, rank ``r``'s micro-batches are
+  exactly micro-batches of the single-worker run, so FP8 rounding (whose 1x128 groups along tokens depend on which
+  rows share a micro-batch) is the same and only the order of the gradient sum differs.
 * No-grad passes (old logprobs, Calibrated Clipping's FP8 and BF16-shadow passes, KV-scale calibration): inside
-  :func:`unsharded` each rank computes its share of the rows with no collective per forward; :func:`all_sum` of
+  :func:`per_layer_no_grad` each rank computes its share of the single worker's batches; :func:`all_sum` of
   zero-filled tensors assembles the full result on every rank (every rank then computes the same metrics and the
   same clip bounds).
 * Refit and checkpoints: full weights (and full optimizer state) gathered to rank 0, which alone ships / writes
   them; the other ranks return nothing. A checkpoint has the single-worker layout, so a run resumes with any M.
+  The full state reaches rank 0 parameter by parameter (torch's full state dict, offloaded to CPU) and the FP8 refit
+  quantizes it there (fp8core.serve.served_state_dict from the state), no layer gathered: rank 0 then holds the
+  full FP32 state (4 bytes per parameter) and the payload (FP8 codes and scales, BF16 for the rest) on top of its
+  shard; the other ranks hold nothing more.
 
 Every collective has the group's timeout (``cluster.collective_timeout_s``, default 60 s): a dead rank fails the
 step within it instead of gloo's 30-minute default.
@@ -37,8 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["DPGroup", "free_endpoint", "init_group", "shard_model", "fsdp_modules", "unsharded",
-           "local_accumulation", "all_sum", "all_min", "gather_objects", "full_tensor", "longest_first_batches",
+__all__ = ["DPGroup", "free_endpoint", "init_group", "shard_model", "fsdp_modules", "per_layer_no_grad", "equal_count", "gathered_units", "all_sum", "all_min", "gather_objects", "full_tensor", "longest_first_batches",
            "share_batches", "clip_grad_norm"]
 
 
@@ -96,7 +106,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def shard_model(model: nn.Module, device: torch.device) -> None:
     """FSDP2 over the group: each decoder layer, then the root (embeddings, final norm, lm_head). Gradients are
-    summed over ranks, not averaged (the loss is normalized by the global token count)."""
+    summed over ranks, not averaged (the loss is normalized by the global token count). The FP8 linears' weight
+    caches are turned off (a cached quantization of each gathered layer would be a second copy of the model)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -108,6 +119,9 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
     for m in fsdp_modules(model):
         m.set_gradient_divide_factor(1.0)  # a plain sum (with ReduceOp.SUM: gloo has no PREMUL_SUM)
         m.set_force_sum_reduction_for_comms(True)
+    for m in model.modules():
+        if getattr(m, "weight_cache", None) is not None:
+            m.weight_cache = None  # fp8core.linear.FP8Linear: quantize per use, keep no copy
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -117,62 +131,36 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def unsharded(model: nn.Module, group: DPGroup) -> Iterator[None]:
-    """Full parameters on every rank for the duration (one all-gather per FSDP unit on entry, free on exit): the
-    forwards inside run no collective, so ranks may run different numbers of them. A no-op without a group."""
+def per_layer_no_grad(model: nn.Module, group: DPGroup) -> Iterator[None]:
+    """No-grad forwards with per-layer gathering: every unit, the root included, is freed after its forward (the
+    root otherwise keeps its weights gathered until a backward that a no-grad pass never runs). Every rank must run
+    the same number of forwards inside (:func:`equal_count`). A no-op without a group."""
     if not group.active:
         yield
         return
-    mods = fsdp_modules(model)
-    for m in mods:
-        m.set_reshard_after_forward(False, recurse=False)
-        m.unshard()
+    model.set_reshard_after_forward(True, recurse=False)
     try:
         yield
     finally:
-        for m in mods:
-            m.reshard()
-            m.set_reshard_after_forward(m is not model, recurse=False)  # FSDP2's defaults: the root keeps its own
-        for m in model.modules():  # FP8 linears' quantized copies of the full weights: freed with them
-            cache = getattr(m, "weight_cache", None)
-            if cache is not None:
-                cache.clear()
-        # other caches of rounded full weights (the BF16 emulation's, keyed by pointer + version): the next
-        # all-gather refills the same storage without bumping the version, so a stale copy would be reused
-        for cache in getattr(model, "reshard_caches", ()):
-            cache.clear()
+        model.set_reshard_after_forward(False, recurse=False)
+        model.reshard()
 
 
-@contextlib.contextmanager
-def local_accumulation(model: nn.Module, group: DPGroup) -> Iterator[object]:
-    """Micro-batches of one update with no communication: parameters stay gathered, gradients accumulate unsharded
-    (FSDP2's no-sync accumulation). Yields ``reduce(forward_zero)``, which every rank must call exactly once at the
-    end of the update: it reduce-scatters the accumulated gradients (summed over ranks) by one forward / backward of
-    ``forward_zero()`` -- a scalar that is 0 times a full forward of the model, so every unit's gradient hooks fire,
-    now with sync on, and add zeros to what was accumulated. Without a group ``reduce`` does nothing."""
-    if not group.active:
-        yield lambda forward_zero: None
-        return
-    mods = fsdp_modules(model)
+def equal_count(n: int, group: DPGroup) -> int:
+    """How many forwards (or micro-batches) every rank runs when ``n`` items are shared as :meth:`DPGroup.share`
+    shares them: the largest share, which rank 0 holds (ranks with fewer pad up to it)."""
+    return -(-n // group.world) if group.active else n
 
-    def sync(on: bool) -> None:
-        for m in mods:
-            m.set_requires_gradient_sync(on, recurse=False)
 
-    def reduce(forward_zero) -> None:
-        sync(True)
-        forward_zero().backward()
-
-    for m in mods:
-        m.set_reshard_after_backward(False, recurse=False)
-    sync(False)
-    with unsharded(model, group):
-        try:
-            yield reduce
-        finally:
-            sync(True)
-            for m in mods:
-                m.set_reshard_after_backward(True, recurse=False)
+def gathered_units(model: nn.Module) -> int:
+    """How many FSDP units of ``model`` hold their full (unsharded) weights right now: a test's probe of the
+    per-layer promise (FSDP2's internal state; 0 without FSDP)."""
+    count = 0
+    for m in fsdp_modules(model):
+        group = m._get_fsdp_state()._fsdp_param_group
+        if group is not None and group.is_unsharded:
+            count += 1
+    return count
 
 
 def all_sum(*tensors: torch.Tensor, group: DPGroup) -> None:

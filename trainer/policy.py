@@ -44,7 +44,6 @@ Numerics
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import time
@@ -62,11 +61,12 @@ from trainer.dp import (
     DPGroup,
     all_min,
     clip_grad_norm,
+    equal_count,
     full_tensor,
     gather_objects,
-    local_accumulation,
+    longest_first_batches,
+    per_layer_no_grad,
     share_batches,
-    unsharded,
 )
 from trainer.dp import all_sum as dp_sum
 
@@ -196,8 +196,8 @@ class PolicyWorker:
 
             init_group(self.dp, self.device)
             shard_model(self.model, self.device)
-            if self.bf16_emulation is not None:  # its rounded weights go stale at every reshard (trainer/dp.py)
-                self.model.reshard_caches = (self.bf16_emulation.weights,)
+            if self.bf16_emulation is not None:  # no rounded copy of a gathered weight (trainer/dp.py)
+                self.bf16_emulation.cache_weights = False
         o = p.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
@@ -278,9 +278,8 @@ class PolicyWorker:
         if trainer is not None and rollout is not None and trainer.forward_key() == rollout.forward_key():
             from fp8core.serve import served_state_dict
 
-            state = self._full_state()  # data-parallel: full on rank 0 only
-            with unsharded(self.model, self.dp):  # the FP8 linears quantize their full weights
-                served = served_state_dict(self.model, hp_dtype=torch.bfloat16, state=state) if state else {}
+            state = self._full_state()  # data-parallel: full on rank 0 only, quantized there (no layer gathered)
+            served = served_state_dict(self.model, hp_dtype=torch.bfloat16, state=state) if state else {}
             # FP8 codes travel as their bytes (uint8): pickling float8 tensors fails in torch 2.13, and Ray pickles
             return {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in served.items()}
         return self.weights()
@@ -324,7 +323,8 @@ class PolicyWorker:
         return kv_rounding(self.model, scales, round_k=True, round_v=True)
 
     def _zero_loss(self, one: Batch) -> torch.Tensor:
-        """0 x a full forward of ``one``: the gradient-sync pass of a data-parallel update (trainer/dp.py)."""
+        """0 x a full forward of ``one``: a data-parallel rank's padding micro-batch (its backward runs every layer's
+        collectives and adds zeros: trainer/dp.py); under no_grad a padding forward."""
         measure, self._moe_measure = self._moe_measure, False  # not a real forward: no moe/* counts
         try:
             return self._token_logp(one)[0].sum() * 0.0
@@ -374,21 +374,37 @@ class PolicyWorker:
         are batched longest-first and each batch is trimmed to its own longest sequence (less padding); results come
         back in the input order, zero beyond each batch's width. Data-parallel (a collective: every rank calls it
         with the same arguments): each rank computes a share of the single worker's batches (whole batches:
-        trainer.dp.share_batches) on its gathered weights, the sum over ranks assembles them on every rank."""
+        trainer.dp.share_batches), gathering one layer at a time, and pads with discarded forwards up to rank 0's
+        count; the sum over ranks assembles them on every rank."""
         if not self.dp.active:
             return self._local_logprobs(b, want_entropy=want_entropy, rows=rows)
         rows = torch.arange(len(b)) if rows is None else rows
-        mine = share_batches(b.attn[rows].sum(1), self.cfg.policy.logprob_batch_size, self.dp)
+        lengths = b.attn[rows].sum(1)
+        bs = self.cfg.policy.logprob_batch_size
+        mine = share_batches(lengths, bs, self.dp)
+        n_batches = len(longest_first_batches(lengths, bs))
+        pad = equal_count(n_batches, self.dp) - len(self.dp.share(torch.arange(n_batches)))
         lp = torch.zeros(len(rows), b.width)
         ent = torch.zeros(len(rows), b.width, dtype=torch.float64) if want_entropy else None
-        with unsharded(self.model, self.dp):
+        with per_layer_no_grad(self.model, self.dp):
             if len(mine):
                 lp_m, ent_m = self._local_logprobs(b, want_entropy=want_entropy, rows=rows[mine])
                 lp[mine] = lp_m.float()
                 if ent is not None:
                     ent[mine] = ent_m.double()
+            self._padding_forwards(pad, b.slice(rows[:1]).trimmed())
         dp_sum(*(t for t in (lp, ent) if t is not None), group=self.dp)
         return lp, ent
+
+    @torch.no_grad()
+    def _padding_forwards(self, n: int, one: Batch) -> None:
+        """``n`` discarded forwards of ``one``: a data-parallel rank with fewer batches than rank 0 runs the per-layer
+        collectives of the forwards it lacks (trainer/dp.py)."""
+        was = self.model.training
+        self.model.eval()
+        for _ in range(n):
+            self._zero_loss(one)
+        self.model.train(was)
 
     @torch.no_grad()
     def _local_logprobs(self, b: Batch, *, want_entropy: bool = False, rows: torch.Tensor | None = None):
@@ -556,37 +572,45 @@ class PolicyWorker:
         st.n_gb += 1
         finite = True
         mine = self.dp.share(gidx)  # data-parallel: this rank's contiguous share (all rows without a group)
-        with local_accumulation(self.model, self.dp) as reduce_grads:
-            for m0 in range(0, len(mine), mbs):
-                idx = mine[m0: m0 + mbs]
-                mb = b.slice(idx).trimmed()
-                w = mb.width
-                fresh = u == 0 and len(st.first) > 0  # rows whose old logprobs this forward provides
-                logp, e = self._token_logp(mb, want_entropy=fresh)
-                if fresh:
-                    st.old_logp[idx] = _pad_cols(logp.detach().cpu(), b.width)
-                    st.ent[idx] = _pad_cols(e.cpu(), b.width)
-                    st.known[idx] = True
-                    if st.is_w is not None:
-                        st.is_w[idx] = _pad_cols(importance_weights(st.old_logp[idx, :w], mb.rollout_logp, mb.mask,
-                                                                    **st.is_kw)[0], b.width)
-                loss, lm = clipped_pg_loss(
-                    logp, st.ref_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
-                    clip_low=st.clip_low, clip_high=st.clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg,
-                    is_weights=None if st.is_w is None else st.is_w[idx, :w].to(logp.device), normalizer=normalizer)
-                if not torch.isfinite(loss):
-                    finite = False
+        # data-parallel: every rank runs rank 0's number of micro-batches (per-layer collectives in each); one with
+        # fewer rows, or past a non-finite loss, runs zero-weighted ones
+        n_mb = -(-equal_count(len(gidx), self.dp) // mbs)
+        one = b.slice(gidx[:1]).trimmed()
+        for j in range(n_mb):
+            idx = mine[j * mbs: (j + 1) * mbs]
+            if not len(idx) or not finite:
+                if not self.dp.active:
                     break
-                loss.backward()
-                st.n_mb += 1
-                st.clip_parts.append((u, lm, adv[idx], mb.mask))
-                for k, v in lm.items():
-                    if not k.startswith("clip/"):
-                        st.sums[k] = st.sums.get(k, 0.0) + v
-            if self.dp.active:  # all ranks skip the update if any rank's loss was not finite
-                finite = all_min(float(finite), self.dp) > 0
-                one = b.slice(gidx[:1]).trimmed()
-                reduce_grads(functools.partial(self._zero_loss, one))
+                self._zero_loss(one).backward()
+                continue
+            mb = b.slice(idx).trimmed()
+            w = mb.width
+            fresh = u == 0 and len(st.first) > 0  # rows whose old logprobs this forward provides
+            logp, e = self._token_logp(mb, want_entropy=fresh)
+            if fresh:
+                st.old_logp[idx] = _pad_cols(logp.detach().cpu(), b.width)
+                st.ent[idx] = _pad_cols(e.cpu(), b.width)
+                st.known[idx] = True
+                if st.is_w is not None:
+                    st.is_w[idx] = _pad_cols(importance_weights(st.old_logp[idx, :w], mb.rollout_logp, mb.mask,
+                                                                **st.is_kw)[0], b.width)
+            loss, lm = clipped_pg_loss(
+                logp, st.ref_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
+                clip_low=st.clip_low, clip_high=st.clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg,
+                is_weights=None if st.is_w is None else st.is_w[idx, :w].to(logp.device), normalizer=normalizer)
+            if not torch.isfinite(loss):
+                finite = False
+                if self.dp.active:  # this forward's collectives ran: its backward's must too (the update is skipped)
+                    (logp.sum() * 0.0).backward()
+                continue
+            loss.backward()
+            st.n_mb += 1
+            st.clip_parts.append((u, lm, adv[idx], mb.mask))
+            for k, v in lm.items():
+                if not k.startswith("clip/"):
+                    st.sums[k] = st.sums.get(k, 0.0) + v
+        if self.dp.active:  # all ranks skip the update if any rank's loss was not finite
+            finite = all_min(float(finite), self.dp) > 0
         return finite
 
     def _complete_old_logprobs(self, st: _StepState) -> None:
@@ -712,10 +736,12 @@ class PolicyWorker:
         if self.dp.active:  # each rank its share of the micro-batches; the percentile over all ranks' amaxes
             from fp8core.rl.kv_calibration import collect_qkv_amax, scales_from_amax, validate_kv_scales
 
-            with unsharded(self.model, self.dp), _autocast(self.cfg.policy.precision, self.device,
-                                                           self.bf16_emulation):
+            with per_layer_no_grad(self.model, self.dp), _autocast(self.cfg.policy.precision, self.device,
+                                                                   self.bf16_emulation), torch.no_grad():
                 mine = batches[self.dp.rank::self.dp.world]
                 amax = collect_qkv_amax(self.model, mine) if mine else None
+                for _ in range(equal_count(len(batches), self.dp) - len(mine)):  # rank 0's count (trainer/dp.py)
+                    self.model(**batches[0])
             parts = [a for a in gather_objects(amax, self.dp) if a is not None]
             amax = {k: torch.cat([a[k] for a in parts]) for k in parts[0]}
             scales = scales_from_amax(amax)
@@ -772,8 +798,8 @@ class PolicyWorker:
     def _load_full_state_dp(self, weights: Mapping[str, torch.Tensor], optimizer: Mapping) -> None:
         """Data-parallel load of a full (single-worker layout) checkpoint: every rank slices its own shard of each
         parameter and of its AdamW moments from the full tensors (``distribute_tensor`` with no source rank: no
-        communication), and takes the optimizer's hyper-parameters. (The FP8 linears' weight caches are empty here:
-        data-parallel ranks fill them only inside ``trainer.dp.unsharded``, which empties them on exit.)"""
+        communication), and takes the optimizer's hyper-parameters. (Data-parallel FP8 linears keep no weight cache
+        that could go stale: trainer.dp.shard_model.)"""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         def local(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

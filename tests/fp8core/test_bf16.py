@@ -118,3 +118,31 @@ def test_fp8_linear_is_untouched_by_the_mode():
     with BF16Emulation():
         got = lin(x)
     assert torch.equal(got, ref)
+
+
+def test_uncached_rounding_gives_the_same_numbers_and_saves_no_weight_copy():
+    """``cache_weights = False`` (weights gathered per use: trainer.dp): the same output and gradients, bit for
+    bit, with no rounded copy of the weight saved for the backward (rounded again there)."""
+    torch.manual_seed(6)
+    lin = nn.Linear(64, 32)
+    x = torch.randn(5, 64)
+    results = []
+    for cache in (True, False):
+        mode = BF16Emulation()
+        mode.cache_weights = cache
+        lin.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        copies = []
+
+        def pack(t, copies=copies):
+            if t.shape == lin.weight.shape and t.data_ptr() != lin.weight.data_ptr():
+                copies.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            y = lin(xi)
+        assert len(copies) == (1 if cache else 0)
+        y.square().sum().backward()
+        results.append((y.detach(), xi.grad, lin.weight.grad.clone(), lin.bias.grad.clone()))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

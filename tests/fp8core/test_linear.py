@@ -327,3 +327,43 @@ def test_weight_cache_clear_and_standalone():
     assert cache.get(w, FP8LinearConfig())[0] is q1
     cache.clear()
     assert torch.equal(cache.get(w, FP8LinearConfig())[0].scale, quantize(w, "block128").scale)
+
+
+def _saved_copies_of(weight: torch.Tensor, run) -> int:
+    """How many tensors of ``weight``'s shape other than ``weight`` itself autograd saves while ``run()`` builds
+    its graph (a cached quantized / dequantized copy of the weight would be one)."""
+    copies = []
+
+    def pack(t):
+        if t.shape == weight.shape and t.data_ptr() != weight.data_ptr():
+            copies.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, len(copies)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise", "tensorwise"])
+def test_uncached_module_trains_bit_identically_and_saves_no_weight_copy(recipe):
+    """``weight_cache = None`` (a weight gathered per use: trainer.dp's per-layer sharding): the same output and
+    gradients, bit for bit, as the cached module, with only the weight itself saved for the backward (quantized
+    again there)."""
+    torch.manual_seed(5)
+    config = FP8LinearConfig(recipe=recipe, backend="emulated")
+    cached = FP8Linear(256, 128, bias=True, config=config)
+    uncached = FP8Linear(256, 128, bias=True, config=config)
+    uncached.load_state_dict(cached.state_dict())
+    uncached.weight_cache = None
+    x = torch.randn(2, 24, 256)
+    grads = []
+    for mod, want_copies in ((cached, 1), (uncached, 0)):
+        xi = x.clone().requires_grad_(True)
+        y, copies = _saved_copies_of(mod.weight, lambda m=mod, xi=xi: m(xi))
+        assert copies == want_copies, (recipe, copies)
+        y.square().mean().backward()
+        grads.append((y.detach(), xi.grad, mod.weight.grad, mod.bias.grad))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(uncached.quantized_weight().data.view(torch.uint8),
+                       cached.quantized_weight().data.view(torch.uint8))

@@ -236,3 +236,82 @@ def test_checkpoint_round_trip(model_dir, ray_local, tmp_path):
         assert max(_rel(g_back[k], g_one[k]) for k in g_one) < 1e-5
     finally:
         _kill(started)
+
+
+def _install_gather_probe(self):
+    """(On each rank.) Record, at every linear's forward and backward, how many FSDP units hold full weights."""
+    import torch as t
+
+    from trainer.dp import gathered_units
+
+    self.gather_probe = {"forward": [], "backward": []}
+
+    def fwd(mod, args, out):
+        self.gather_probe["forward"].append(gathered_units(self.model))
+
+    def bwd(mod, grad_in, grad_out):
+        self.gather_probe["backward"].append(gathered_units(self.model))
+
+    for m in self.model.modules():
+        if isinstance(m, t.nn.Linear):
+            m.register_forward_hook(fwd)
+            m.register_full_backward_hook(bwd)
+
+
+def test_ranks_gather_one_layer_at_a_time(tmp_path, ray_local):
+    """Per-layer sharding on a 4-layer model (5 FSDP units: 4 decoder layers + the root): while any linear computes,
+    forward or backward, a rank holds at most the root + one decoder layer + FSDP's backward prefetch of the next
+    one, and nothing stays gathered after a step or a no-grad pass. Rows per update (3) and no-grad batches (3)
+    that 2 ranks cannot split evenly make rank 1 pad (a zero-weighted micro-batch, a discarded forward); the
+    gradients still match one worker's."""
+    from cluster.runtime import policy_call
+    from embedded.tiny_model import TinyModelSpec, build_tiny_model
+    from trainer.dp import gathered_units
+
+    model = build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny-4l",
+                             TinyModelSpec(num_hidden_layers=4, tokenizer_corpus_size=2000))
+    ro = [{**r, "samples": r["samples"][:3]} for r in _rollouts(model)]
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    over = {"policy.megatron_cfg.fp8_cfg.enabled": "true", "policy.precision": "bfloat16",
+            "grpo.num_generations_per_prompt": "3", "policy.train_global_batch_size": "3",
+            "policy.train_micro_batch_size": "1", "policy.logprob_batch_size": "2"}
+    one, one_h = _start(_cfg(1, **over), model, tmp_path, "probe-one")
+    two, two_h = _start(_cfg(2, **over), model, tmp_path, "probe-two")
+    try:
+        import ray
+
+        from cluster.faults import TestHooks
+        from cluster.runtime import policy_refs
+
+        policy_call(two, "__ray_call__", _install_gather_probe)
+        for names in (one, two):
+            policy_call(names, "__ray_call__", lambda self: setattr(self, "hooks", TestHooks(record_gradients=True)))
+        m1 = policy_call(one, "train_step", ro, rewards, step=1)
+        m2 = policy_call(two, "train_step", ro, rewards, step=1)
+        assert m1["train/optimizer_updates"] == m2["train/optimizer_updates"] == 2
+        # the first update: rank 0 sums micro-batches 0 and 1 of the single worker's, rank 1 micro-batch 2 and a
+        # zero-weighted one; reduce-scattered per micro-batch, the sum runs (g0 + g2) + g1 instead of (g0 + g1) + g2:
+        # FP32 summation-order noise only (measured 5e-8)
+        u1, u2 = _updates(one), _updates(two)
+        worst = max(_rel(u2[0][k], u1[0][k]) for k in u1[0])
+        print(f"\n[uneven shares, 2 ranks vs 1: first update's worst gradient relative L2 error {worst:.2e}]")
+        assert worst < 1e-5
+        # the second update is not compared: Adam's first step is sign-like, so an element whose gradient sum lies
+        # within that noise of zero moves by +lr or -lr depending on the order, and FP8 codes of the blocks it moves
+        # flip (measured: the second update's gradients then differ by 3e-2). The masters stay within the two
+        # updates' steps of lr 1e-3 each.
+        a1, a2 = policy_call(one, "weights"), policy_call(two, "weights")
+        assert max(float((a1[k] - a2[k]).abs().max()) for k in a1) <= 4.01e-3
+        score = policy_call(two, "score", ro)  # a no-grad pass: 6 rows in 3 batches of 2, shared 2 + 1
+        assert score["logp"].shape[0] == 6
+        probes = ray.get(policy_refs(two, "__ray_call__", lambda self: (
+            self.gather_probe, gathered_units(self.model))))
+        for rank, (probe, after) in enumerate(probes):
+            assert after == 0, (rank, after)  # nothing left gathered
+            assert probe["forward"] and probe["backward"], rank
+            print(f"[rank {rank}: units gathered while a linear computes: forward max {max(probe['forward'])}, "
+                  f"backward max {max(probe['backward'])} of 5]")
+            assert max(probe["forward"]) <= 2, (rank, max(probe["forward"]))  # the root + this layer
+            assert max(probe["backward"]) <= 3, (rank, max(probe["backward"]))  # + the prefetched next layer
+    finally:
+        _kill(one_h + two_h)
