@@ -18,6 +18,10 @@ fi
 "$VENV/bin/uv" pip install --python "$VENV/bin/python" "${LINKS[@]}" \
   --excludes scripts/excludes.txt --compile-bytecode \
   -r requirements.txt -r requirements-dev.txt -e .
+# a venv made before scikit-learn was excluded still has it (uv does not remove what the excludes name)
+if "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("sklearn") is None)'; then
+  "$VENV/bin/uv" pip uninstall -q --python "$VENV/bin/python" scikit-learn skops
+fi
 "$VENV/bin/python" - <<'PY'
 import importlib.util, sys
 bad = [m for m in ("torchvision", "torchaudio", "torchcodec", "triton") if importlib.util.find_spec(m)]
