@@ -62,6 +62,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -71,6 +72,9 @@ from configs.schema import Config
 from fp8core.cpu import cpu_caps_dict, usable_threads
 from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
 from storage.hub import local_model_dir
+
+if TYPE_CHECKING:
+    from data.prompt import PromptFormat
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_CACHE_IMPLS = ("auto", "native", "emulated")  # how kv_cache_dtype="fp8" is realised (module docstring)
@@ -354,6 +358,12 @@ class RolloutWorker:
             cleanup_dist_env_and_memory()
 
     # ------------------------------------------------------------------ generate
+    def render_prompts(self, fmt: PromptFormat, items: Sequence[tuple[str, str]]) -> list[str]:
+        """The prompt text of each (question, task) in ``fmt`` with this engine's tokenizer (its chat template). The
+        driver asks an engine rather than loading a tokenizer of its own: that would import transformers, torch and
+        their dependencies in the driver, seconds of start-up, for a few template renderings."""
+        return [fmt.render(self.tokenizer, question, task) for question, task in items]
+
     def _encode_prompts(self, prompts) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of strings or of token-id lists")

@@ -5,7 +5,6 @@ metrics to MLflow and returns them with its wall time under ``time/*``."""
 from __future__ import annotations
 
 import time
-from functools import lru_cache
 
 import ray
 from prefect import task
@@ -22,17 +21,10 @@ ENGINE_RESTART_TIMEOUT_S = 300.0  # a restarted engine rebuilds vLLM (seconds on
 VAL_TEMPERATURE = 0.01  # near-greedy: vLLM clamps smaller temperatures to 0.01 and the worker rejects 0
 
 
-@lru_cache(maxsize=4)
-def _tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 def prompts_for(ctx: RunContext, rows: list[dict]) -> list[str]:
-    """The prompt of each row (``ctx.prompt``: the recipe's system prompt / template, else the row's task's)."""
-    tok = _tokenizer(ctx.model_dir)
-    return [ctx.prompt.render(tok, r["question"], r["task"]) for r in rows]
+    """The prompt of each row (``ctx.prompt``: the recipe's system prompt / template, else the row's task's),
+    rendered by the first rollout engine with its tokenizer (the driver loads none)."""
+    return get(actor(ctx.rollouts[0]).render_prompts.remote(ctx.prompt, [(r["question"], r["task"]) for r in rows]))
 
 
 def _fault_due(ctx: RunContext, what: str, step: int) -> bool:

@@ -169,6 +169,25 @@ def test_kv_budget_too_small_for_one_sequence(model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_engine_renders_prompts_as_the_model_directory_s_tokenizer(worker, model_dir):
+    """The driver has the first engine render its prompts (tasks.rl.prompts_for): the text must be what the model
+    directory's own tokenizer renders, for the task's system prompt, a recipe's, none, and a user template."""
+    from transformers import AutoTokenizer
+
+    from data.prompt import PromptFormat
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    items = [("What is 3 plus 4?", "arithmetic"), ("12 + 39 = ?", "addition")]
+    for fmt in (PromptFormat(), PromptFormat(system_prompt="Be brief."), PromptFormat(system_prompt=""),
+                PromptFormat(user_template="Q: {question}\nA:")):
+        got = worker.render_prompts(fmt, items)
+        assert got == [fmt.render(tok, q, task) for q, task in items]
+        assert all(q.split("\n")[0] in g for g, (q, _) in zip(got, items, strict=True))
+    assert worker.render_prompts(PromptFormat(system_prompt="Be brief."), items[:1])[0] != \
+        worker.render_prompts(PromptFormat(), items[:1])[0]
+
+
+@pytest.mark.slow
 def test_generate_format_and_reproducibility(worker, prompts):
     out = worker.generate(prompts, n=3, max_tokens=12, temperature=1.0, seed=7)
     assert [r["prompt_index"] for r in out] == [0, 1]
