@@ -6,7 +6,8 @@ Key names follow the seed (NeMo RL's GRPO recipes) so its recipes read the same 
   num_last_layers_in_bf16, pow2_weight_scaling_factors, pow2_activation_scaling_factors}``: the rollout engine (vLLM).
 - ``policy.megatron_cfg.fp8_cfg.{enabled, fp8, fp8_recipe}``: the *trainer's* FP8 settings. We train with HF
   transformers + fp8core, not Megatron; the section keeps the seed's name so seed recipes load unchanged, and
-  ``policy.megatron_cfg`` is documented as "the trainer section" (its other Megatron-only keys are not accepted).
+  ``policy.megatron_cfg`` is documented as "the trainer section"; ``policy.megatron_cfg.activation_checkpointing``
+  keeps its NeMo RL meaning (per decoder layer); its other Megatron-only keys are not accepted.
 - ``loss_fn.*``, ``grpo.*``, ``checkpointing.*``, ``logger.mlflow.*`` as in the seed; ``data.*``, ``calibration.*``,
   ``ray.*``, ``cluster.*``, ``bootstrap.*``, ``hub.*`` and ``run_dir`` are ours.
 
@@ -120,6 +121,9 @@ class MegatronCfg:
 
     enabled: bool = False
     fp8_cfg: Fp8Cfg = field(default_factory=Fp8Cfg)
+    # NeMo RL's key: each decoder layer keeps only its inputs for the backward and recomputes its activations there
+    # (trainer.dp.checkpoint_layers); less memory per micro-batch for one more forward of every layer per update
+    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ each), gradients are reduce-scattered per layer as the backward passes it, and t
 norm, output projection) is gathered for the whole forward. A rank's peak is its shards + the root + one decoder
 layer's full weights (+ FSDP's prefetch of the next one) + activations. The FP8 linears and the BF16 emulation keep
 no quantized / rounded copy of a gathered weight (:func:`shard_model` turns their caches off): they quantize per
-use and again in the backward, which gives the same codes.
+use and again in the backward, which gives the same codes. With activation checkpointing
+(:func:`checkpoint_layers`, applied to the same decoder layers before sharding) a layer's backward also runs its
+forward again, inside the same gathering.
 
 Per-layer collectives run inside every forward and backward, so every rank must run the same number of them: a
 rank with fewer rows than another pads with forwards of one row whose result is discarded (no-grad passes) or
@@ -42,13 +44,13 @@ import contextlib
 import datetime
 import math
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["DPGroup", "free_endpoint", "init_group", "shard_model", "fsdp_modules", "per_layer_no_grad", "equal_count", "gathered_units", "all_sum", "all_min", "gather_objects", "full_tensor", "longest_first_batches",
+__all__ = ["DPGroup", "free_endpoint", "init_group", "checkpoint_layers", "shard_model", "fsdp_modules", "per_layer_no_grad", "equal_count", "gathered_units", "all_sum", "all_min", "gather_objects", "full_tensor", "longest_first_batches",
            "share_batches", "clip_grad_norm"]
 
 
@@ -102,6 +104,33 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         raise ValueError(f"{type(model).__name__}: no .model.layers to shard (data-parallel trainers need an HF "
                          "decoder-only model)")
     return list(layers)
+
+
+def checkpoint_layers(model: nn.Module, recompute_context: Callable[[], contextlib.AbstractContextManager]) -> int:
+    """Activation checkpointing per decoder layer (``policy.megatron_cfg.activation_checkpointing``): a layer's
+    gradient-carrying forward keeps only its inputs, and the backward runs the layer's forward again to rebuild
+    what its own backward needs (torch's non-reentrant checkpoint in its composable form: forward hooks on the
+    layer, so parameter names and the module tree stay as they are). No-grad forwards save nothing either way.
+    Returns the number of layers.
+
+    Apply it before :func:`shard_model`. FSDP2 and this checkpoint are both forward hooks on the layer; FSDP's run
+    outside the checkpoint's, and in the recompute (which calls the layer again) FSDP's hooks see its backward
+    state and leave the gathering to its pre-backward hook, which has gathered the layer by then.
+
+    The recompute must compute what the forward computed, under the state the forward ran under. torch restores
+    the RNG state (no dropout here anyway) and autocast; anything else a caller sets around its forward --
+    TorchFunctionModes such as the BF16 emulation (fp8core.bf16), MoE routing replay, KV rounding -- is gone by the
+    backward. ``recompute_context()`` is called during each layer's forward and must return a context manager
+    (not yet entered) that re-establishes that state; the recompute runs inside it."""
+    from torch.distributed._composable import checkpoint
+
+    def context_fn():
+        return contextlib.nullcontext(), recompute_context()
+
+    layers = decoder_layers(model)
+    for layer in layers:
+        checkpoint(layer, context_fn=context_fn)
+    return len(layers)
 
 
 def shard_model(model: nn.Module, device: torch.device) -> None:

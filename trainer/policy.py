@@ -11,6 +11,9 @@ Numerics
 * Master weights are FP32 (what AdamW updates); ``policy.precision: bfloat16`` runs the forward/backward under CPU/GPU
   autocast to BF16 (the usual mixed-precision setup), ``float32`` without autocast. FP8Linear layers quantize their
   operands themselves (fp8core.linear; FP32 accumulation).
+* ``policy.megatron_cfg.activation_checkpointing``: each decoder layer keeps only its inputs in a training forward
+  and runs its forward again in the backward (trainer.dp.checkpoint_layers), inside the same routing replay,
+  precision and KV rounding contexts (``_forward_contexts``): the same gradients bit for bit, less memory.
 * Token alignment: for a sequence ``s`` (prompt + response), ``logp[:, j] = log softmax(z_{j-1} / T)[s_j]`` for j >= 1
   (column 0 is 0 and always masked). ``T`` is the sampling temperature: vLLM's processed logprobs are those of
   ``logits / T``, so trainer and rollout logprobs are comparable (``mismatch/*``) and the ratio is the sampled policy's.
@@ -77,6 +80,15 @@ def _autocast(precision: str, device: torch.device, bf16_emulation=None):
     if precision == "bfloat16":
         return bf16_emulation if bf16_emulation is not None else torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _enter_all(parts):
+    """Enter ``parts`` (context managers) in order, exit them in reverse."""
+    with contextlib.ExitStack() as stack:
+        for part in parts:
+            stack.enter_context(part)
+        yield
 
 
 def keep_freed_heap_memory() -> bool:
@@ -191,6 +203,14 @@ class PolicyWorker:
         self.fp8_spec = cfg.trainer_fp8_spec()  # the one FP8 numerics spec (the engine's too in end-to-end FP8)
         self.fp8_layers: list[str] = self.fp8_spec.convert(self.model) if self.fp8_spec is not None else []
         self.dp = dp or DPGroup()
+        # policy.megatron_cfg.activation_checkpointing: decoder layers recompute their activations in the backward,
+        # under the contexts their forward ran under (_forward_contexts); before sharding (trainer.dp)
+        self._recompute = None  # during a forward: () -> its contexts, once more (_token_logp)
+        self.activation_checkpointing = bool(p.megatron_cfg.activation_checkpointing)
+        if self.activation_checkpointing:
+            from trainer.dp import checkpoint_layers
+
+            checkpoint_layers(self.model, lambda: self._recompute() if self._recompute else contextlib.nullcontext())
         if self.dp.active:  # data-parallel rank: FSDP2 shards masters, gradients and optimizer state (trainer/dp.py)
             from trainer.dp import init_group, shard_model
 
@@ -293,11 +313,12 @@ class PolicyWorker:
             k = b.routing.shape[-1]
             replay = {layer: b.routing[:, :, j].reshape(-1, k).to(self.device)
                       for j, layer in enumerate(self.moe_layers)}
-        from fp8core.moe import forced_routing
-
-        with forced_routing(self.model, replay), _autocast(self.cfg.policy.precision, self.device,
-                                                           self.bf16_emulation), self._kv_replay():
-            logits = self.model(input_ids=tokens, attention_mask=attn).logits
+        try:
+            self._recompute = lambda: self._forward_contexts(replay)  # each checkpointed layer's recompute
+            with self._forward_contexts(replay):
+                logits = self.model(input_ids=tokens, attention_mask=attn).logits
+        finally:
+            self._recompute = None
         if self._moe_measure:
             self._record_routing(b)
         logp, z = token_logprobs(logits, tokens, temperature=self.cfg.policy.generation.temperature)
@@ -308,6 +329,17 @@ class PolicyWorker:
             e = token_entropy(z.detach())
             ent = torch.cat([torch.zeros_like(e[:, :1]), e], dim=1)
         return logp, ent
+
+    def _forward_contexts(self, replay: dict | None) -> contextlib.AbstractContextManager:
+        """The state a forward runs under: MoE routing replay (``replay``: the engine's experts per MoE layer, or
+        None), the precision (autocast or the BF16 emulation) and the engine's KV rounding. A context manager
+        not yet entered, its parts fixed now; activation checkpointing enters a copy around each layer's
+        recompute (the backward runs outside the forward's ``with``)."""
+        from fp8core.moe import forced_routing
+
+        parts = [forced_routing(self.model, replay), _autocast(self.cfg.policy.precision, self.device,
+                                                                self.bf16_emulation), self._kv_replay()]
+        return _enter_all(parts)
 
     def _kv_replay(self):
         """The engine's FP8 KV rounding around a forward (calibration.kv_rounding_in_trainer), else nothing."""

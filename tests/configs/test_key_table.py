@@ -32,6 +32,7 @@ READERS = {
     "policy.scheduler.decay": ("trainer/policy.py", "s.decay"),
     "policy.scheduler.min_lr_ratio": ("trainer/policy.py", "s.min_lr_ratio"),
     "policy.megatron_cfg.enabled": ("configs/schema.py", "p.megatron_cfg.enabled"),  # only false
+    "policy.megatron_cfg.activation_checkpointing": ("trainer/policy.py", "p.megatron_cfg.activation_checkpointing"),
     "policy.megatron_cfg.fp8_cfg.enabled": ("configs/schema.py", "f8.enabled"),
     "policy.megatron_cfg.fp8_cfg.fp8": ("configs/schema.py", "fmt=f8.fp8"),
     "policy.megatron_cfg.fp8_cfg.fp8_recipe": ("configs/schema.py", "getattr(f8, k) for k in FP8_RECIPE_KEYS"),

@@ -1,5 +1,7 @@
 """trainer.dp's world-size-invariance helpers, without a process group: share_batches rebuilds the single worker's
-no-grad batches on every rank, clip_grad_norm clips as torch does but with a float64 norm."""
+no-grad batches on every rank, clip_grad_norm clips as torch does but with a float64 norm; and activation
+checkpointing composed with FSDP2 sharding, on a one-rank group."""
+import contextlib
 import math
 
 import pytest
@@ -84,3 +86,57 @@ def test_non_finite_gradients_are_reported_and_left_alone():
 
 def test_no_gradients_is_a_zero_norm():
     assert clip_grad_norm(nn.Linear(3, 3).parameters(), 1.0, DPGroup()) == 0.0
+
+
+def test_checkpointed_layers_shard_and_give_the_plain_gradients():
+    """checkpoint_layers, then shard_model (PolicyWorker's order), on a one-rank gloo group: forward + backward of a
+    2-layer Qwen3 with blockwise FP8 linears give the plain model's gradients bit for bit, and each layer runs its
+    forward twice, the second time in the backward inside FSDP's gathering (FSDP's forward hooks, outside the
+    checkpoint's, see the backward state and leave the layer as its pre-backward hook gathered it). The sharded
+    FP8 linears keep no weight cache and quantize again in the recompute: the same codes."""
+    import socket
+
+    import torch.distributed as dist
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fp8core.convert import convert_to_fp8
+    from fp8core.linear import FP8LinearConfig
+    from trainer.dp import checkpoint_layers, decoder_layers, full_tensor, shard_model
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64)
+    def fp8_model():
+        torch.manual_seed(0)
+        m = Qwen3ForCausalLM(cfg)
+        convert_to_fp8(m, FP8LinearConfig(backend="emulated"))
+        return m
+
+    plain, model = fp8_model(), fp8_model()
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    plain(input_ids=ids).logits.float().square().mean().backward()
+
+    runs = []
+    entered = []
+
+    @contextlib.contextmanager
+    def recompute():
+        entered.append(1)
+        yield
+
+    assert checkpoint_layers(model, recompute) == 2
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.register_forward_pre_hook(lambda _m, _a, i=i: runs.append(i))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        shard_model(model, torch.device("cpu"))
+        assert all(m.weight_cache is None for m in model.modules() if hasattr(m, "weight_cache"))
+        model(input_ids=ids).logits.float().square().mean().backward()
+        assert sorted(runs) == [0, 0, 1, 1] and len(entered) == 2
+        grads = {n: full_tensor(p.grad) for n, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    for n, p in plain.named_parameters():
+        assert torch.equal(grads[n], p.grad), n

@@ -1,5 +1,6 @@
 """PolicyWorker on a 2-layer tiny Qwen3 (CPU): token alignment, GRPO train step, FP8 conversion, calibrations,
 non-finite skip, checkpoint resume determinism."""
+import math
 from pathlib import Path
 
 import pytest
@@ -333,3 +334,125 @@ def test_old_logprobs_rollout_refuses_a_second_importance_weight():
         _cfg(**{"loss_fn.old_logprobs": "rollout", "loss_fn.use_importance_sampling_correction": "true"})
     with pytest.raises(ConfigError, match="loss_fn.old_logprobs"):
         _cfg(**{"loss_fn.old_logprobs": "engine"})
+
+
+# ------------------------------------------------------------------ activation checkpointing
+AC = "policy.megatron_cfg.activation_checkpointing"
+AC_REWARDS = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def _step_with_gradients(model_dir, over: dict, ro=None):
+    """One train_step (two optimizer updates of two micro-batches each): the worker, its metrics and the full
+    gradients of every update (before clipping)."""
+    from cluster.faults import TestHooks
+
+    w = PolicyWorker(model_dir, _cfg(**over))
+    ro = _rollouts(w) if ro is None else ro
+    w.hooks = TestHooks(record_gradients=True)
+    m = w.train_step(ro, AC_REWARDS, step=1)
+    return w, m, w.hooks.recorded_updates, ro
+
+
+def _same_numbers(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+@pytest.mark.parametrize("numerics", [
+    {"policy.precision": "float32"},
+    {"policy.bf16_mode": "native"},
+    {"policy.bf16_mode": "emulated"},
+    {"policy.megatron_cfg.fp8_cfg.enabled": "true"},
+    {"policy.megatron_cfg.fp8_cfg.enabled": "true", "policy.bf16_mode": "emulated",
+     "policy.generation.vllm_cfg.kv_cache_dtype": "fp8", "calibration.kv_rounding_in_trainer": "true"},
+], ids=["fp32", "bf16-native", "bf16-emulated", "fp8-blockwise", "fp8-blockwise-emulated-bf16-kv-rounding"])
+def test_activation_checkpointing_gives_bit_identical_gradients(model_dir, numerics):
+    """policy.megatron_cfg.activation_checkpointing changes what is kept, not what is computed: every update's
+    gradients, the weights after the step and every metric but the timings are bit-identical to the plain step.
+    Why exactly: non-reentrant checkpointing keeps the autograd graph of the original forward and only replaces
+    its saved tensors by recomputed ones, so the backward runs the same kernels in the same order; the recompute
+    is the same forward on the same inputs (FP8 activation codes and scales are a deterministic function of them;
+    the FP8 weight codes come from the same weight cache). The recompute must also run under the forward's state:
+    torch restores autocast itself, the worker re-enters the rest -- the BF16 emulation (a TorchFunctionMode: a
+    recompute without it saves other tensors, and with FP8 linears silently other values) and the engine's KV
+    rounding (an attention implementation set around the forward)."""
+    w_off, m_off, g_off, ro = _step_with_gradients(model_dir, {**numerics, AC: "false"})
+    w_on, m_on, g_on, _ = _step_with_gradients(model_dir, {**numerics, AC: "true"}, ro)
+    assert m_on["train/optimizer_updates"] == len(g_on) == len(g_off) == 2
+    for u, (a, b) in enumerate(zip(g_off, g_on, strict=True)):
+        assert a.keys() == b.keys() and len(a) == len(list(w_on.model.parameters()))
+        for k in a:
+            assert torch.equal(a[k], b[k]), (u, k)
+    for (k, p), q in zip(w_off.model.named_parameters(), w_on.model.parameters(), strict=True):
+        assert torch.equal(p, q), k
+    assert m_on.keys() == m_off.keys()
+    for k in m_off:
+        if not k.startswith(("time/", "throughput/")):
+            assert _same_numbers(m_on[k], m_off[k]), k
+    assert m_on["loss/total"] == m_off["loss/total"] != 0
+
+
+def _layer_runs_and_kept(model_dir, ac: str) -> tuple[dict, int]:
+    """One train_step: how often each decoder layer ran its forward with and without grad; then the bytes a
+    two-row training forward saved for its backward through autograd (parameters not counted)."""
+    from trainer.dp import decoder_layers
+
+    w = PolicyWorker(model_dir, _cfg(**{"policy.precision": "float32", AC: ac}))
+    ro = _rollouts(w)
+    calls, saved = [], []
+    for i, layer in enumerate(decoder_layers(w.model)):
+        layer.register_forward_pre_hook(lambda _m, _a, i=i: calls.append((i, torch.is_grad_enabled())))
+    w.train_step(ro, AC_REWARDS, step=1)
+    runs = {(i, g): calls.count((i, g)) for i in range(2) for g in (True, False)}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    mb = Batch.from_rollouts(ro, pad_id=w.tokenizer.pad_token_id).slice(torch.arange(2)).trimmed()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        w._token_logp(mb)[0].sum().backward()
+    return runs, sum(saved)
+
+
+def test_activation_checkpointing_recomputes_every_layer_in_the_backward(model_dir):
+    """With the key on, each decoder layer runs its forward twice per training micro-batch -- the forward, then
+    again in the backward -- and once per no-grad forward; off, once each. The step's four micro-batches (two
+    updates of two) and its one no-grad batch (the second update's old logprobs) give 8 + 1 runs per layer on, 4 + 1
+    off. What a training forward keeps for the backward, outside the checkpoint's own copy of each layer's inputs,
+    shrinks to what runs outside the decoder layers (embeddings, final norm, output projection, loss): less than
+    a fifth on this model."""
+    runs_off, kept_off = _layer_runs_and_kept(model_dir, "false")
+    runs_on, kept_on = _layer_runs_and_kept(model_dir, "true")
+    assert runs_off == {(i, g): 4 if g else 1 for i in range(2) for g in (True, False)}
+    assert runs_on == {(i, g): 8 if g else 1 for i in range(2) for g in (True, False)}
+    assert kept_on < kept_off / 2, (kept_on, kept_off)
+
+
+def test_activation_checkpointing_recomputes_under_the_routing_replay():
+    """MoE with routing replay (policy.router_replay.enabled): the recompute of each layer routes to the engine's
+    experts as its forward did (the worker re-enters the replay around it; the backward runs after the forward's
+    replay ended), so the gradients are bit-identical to the plain step's. The engine's experts here are random,
+    unlike the router's own choice (``moe/routing_mismatch_frac`` > 0), so a recompute under the router's own
+    choice would differ."""
+    from embedded.tiny_model import TinyModelSpec, build_tiny_model
+
+    moe_dir = build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny-moe",
+                               TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000, num_experts=4))
+    over = {"policy.megatron_cfg.fp8_cfg.enabled": "true", "policy.router_replay.enabled": "true"}
+    w = PolicyWorker(moe_dir, _cfg(**over))
+    ro, g = _rollouts(w), torch.Generator().manual_seed(0)
+    for r in ro:
+        for s in r["samples"]:  # [tokens, MoE layers, top-k] distinct experts per token and layer
+            n = len(r["prompt_token_ids"]) + len(s["token_ids"])
+            s["routed_experts"] = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(n * 2)]).reshape(
+                n, 2, 2).to(torch.int16)
+    _, m_off, g_off, _ = _step_with_gradients(moe_dir, {**over, AC: "false"}, ro)
+    _, m_on, g_on, _ = _step_with_gradients(moe_dir, {**over, AC: "true"}, ro)
+    assert m_on["moe/router_replay"] == 1.0 and m_on["moe/routing_mismatch_frac"] > 0.5
+    assert len(g_on) == len(g_off) == 2
+    for u, (a, b) in enumerate(zip(g_off, g_on, strict=True)):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (u, k)
+    assert m_on["loss/total"] == m_off["loss/total"]
