@@ -277,17 +277,26 @@ def test_ranks_gather_one_layer_at_a_time(tmp_path, ray_local):
             "policy.train_micro_batch_size": "1", "policy.logprob_batch_size": "2"}
     one, one_h = _start(_cfg(1, **over), model, tmp_path, "probe-one")
     two, two_h = _start(_cfg(2, **over), model, tmp_path, "probe-two")
+    # the same ranks with activation checkpointing: each layer's recompute runs inside its backward's gathering
+    ac, ac_h = _start(_cfg(2, **over, **{"policy.megatron_cfg.activation_checkpointing": "true"}), model, tmp_path,
+                      "probe-two-ac")
     try:
         import ray
 
         from cluster.faults import TestHooks
         from cluster.runtime import policy_refs
 
-        policy_call(two, "__ray_call__", _install_gather_probe)
-        for names in (one, two):
+        for names in (two, ac):
+            policy_call(names, "__ray_call__", _install_gather_probe)
+        for names in (one, two, ac):
             policy_call(names, "__ray_call__", lambda self: setattr(self, "hooks", TestHooks(record_gradients=True)))
         m1 = policy_call(one, "train_step", ro, rewards, step=1)
         m2 = policy_call(two, "train_step", ro, rewards, step=1)
+        policy_call(ac, "train_step", ro, rewards, step=1)
+        # recomputing gives the same gradients bit for bit, both updates (same ranks, same summation order)
+        u_ac, u_two = _updates(ac), _updates(two)
+        assert len(u_ac) == len(u_two) == 2
+        assert all(torch.equal(u_ac[i][k], u_two[i][k]) for i in range(2) for k in u_two[i])
         assert m1["train/optimizer_updates"] == m2["train/optimizer_updates"] == 2
         # the first update: rank 0 sums micro-batches 0 and 1 of the single worker's, rank 1 micro-batch 2 and a
         # zero-weighted one; reduce-scattered per micro-batch, the sum runs (g0 + g2) + g1 instead of (g0 + g1) + g2:
@@ -313,5 +322,11 @@ def test_ranks_gather_one_layer_at_a_time(tmp_path, ray_local):
                   f"backward max {max(probe['backward'])} of 5]")
             assert max(probe["forward"]) <= 2, (rank, max(probe["forward"]))  # the root + this layer
             assert max(probe["backward"]) <= 3, (rank, max(probe["backward"]))  # + the prefetched next layer
+        for rank, (probe, after) in enumerate(ray.get(policy_refs(ac, "__ray_call__", lambda self: (
+                self.gather_probe, gathered_units(self.model))))):
+            # a recompute is a forward inside the backward: the root + this layer + the prefetched next one
+            print(f"[activation checkpointing, rank {rank}: forward max {max(probe['forward'])}, backward max "
+                  f"{max(probe['backward'])} of 5]")
+            assert after == 0 and max(probe["forward"]) <= 3 and max(probe["backward"]) <= 3, (rank, after)
     finally:
-        _kill(one_h + two_h)
+        _kill(one_h + two_h + ac_h)
