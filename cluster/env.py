@@ -16,11 +16,16 @@ OFFLINE_KEYS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def cache_env(run_dir: Path) -> dict[str, str]:
-    """Caches and switches for every process of the run (set before Ray starts, so actors inherit them)."""
-    cache = run_dir / "cache"
+    """Caches and switches for every process of the run (set before Ray starts, so actors inherit them).
+
+    The compile caches (vLLM's, TorchInductor's) hold results keyed by what produced them, so the runs of one runs
+    folder share them under ``<run_dir>/../.cache``: a run's first engine otherwise repeats vLLM's model-class
+    inspection, a subprocess of ~12 s of CPU. Prefect's home (its temporary server's database) and the datasets
+    processing cache stay per run (concurrent runs must not share a sqlite database)."""
+    cache, shared = run_dir / "cache", run_dir.parent / ".cache"
     env = {
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "VLLM_CACHE_ROOT": str(shared / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(shared / "inductor"),
         "HF_DATASETS_CACHE": str(cache / "datasets"),
         "PREFECT_HOME": str(cache / "prefect"),
         "PREFECT_SERVER_MEMO_STORE_PATH": str(cache / "prefect" / "memo_store.toml"),

@@ -102,6 +102,9 @@ def test_run_env_keeps_the_users_hf_cache_and_is_offline_unless_allowed(monkeypa
     apply_env(tmp_path / "run")
     assert "HF_HOME" not in os.environ and "HF_HUB_CACHE" not in os.environ  # the user's cache, not a run-local one
     assert os.environ["HF_DATASETS_CACHE"] == str(tmp_path / "run" / "cache" / "datasets")
+    # compile caches: shared by the runs of one folder (vLLM's model inspection runs once, not once per run)
+    assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / ".cache" / "vllm")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / ".cache" / "inductor")
     assert os.environ["HF_HUB_OFFLINE"] == os.environ["TRANSFORMERS_OFFLINE"] == "1"
     apply_env(tmp_path / "run", allow_downloads=True)  # hub.allow_downloads: the run's processes may download
     assert os.environ["HF_HUB_OFFLINE"] == os.environ["TRANSFORMERS_OFFLINE"] == "0"
