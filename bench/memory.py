@@ -70,7 +70,8 @@ def config(recipe: str, world: int, overrides: list[str]):
                                 "policy.threads=1", "ray.policy_worker.num_cpus=0.25", *overrides])
 
 
-def measure(model_dir: Path, recipe: str, world: int, steps: int, out: Path, overrides: list[str]) -> dict:
+def measure(model_dir: Path, recipe: str, world: int, steps: int, out: Path, overrides: list[str],
+            heap: str = "keep") -> dict:
     """One layout: M ranks, ``steps`` train steps; per rank the baseline RSS and each step's peak above it."""
     import ray
 
@@ -80,7 +81,10 @@ def measure(model_dir: Path, recipe: str, world: int, steps: int, out: Path, ove
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rollouts, rewards = fixed_rollouts(vocab)
     tag = f"mem-{model_dir.name}-{world}-{int(time.time())}"
-    names, handles = start_policy_workers(cfg, model_dir, out / tag, tag, env={"OMP_NUM_THREADS": "1"})
+    from trainer.policy import HEAP_ENV
+
+    names, handles = start_policy_workers(cfg, model_dir, out / tag, tag,
+                                          env={"OMP_NUM_THREADS": "1", HEAP_ENV: heap})
     try:
         info = get_fail_fast([h.info.remote() for h in handles])
         base = get_fail_fast(policy_refs(names, "memory", reset=True))
@@ -93,7 +97,7 @@ def measure(model_dir: Path, recipe: str, world: int, steps: int, out: Path, ove
             per_step.append({"step": step, "wall_s": round(wall, 2),
                              "peak_above_baseline": [m["peak"] - b["rss"] for m, b in zip(mem, base, strict=True)],
                              "rss_above_baseline": [m["rss"] - b["rss"] for m, b in zip(mem, base, strict=True)]})
-        return {"model": model_dir.name, "params": info[0]["num_params"], "world": world,
+        return {"model": model_dir.name, "params": info[0]["num_params"], "world": world, "heap": heap,
                 "baseline_rss": [b["rss"] for b in base], "steps": per_step}
     finally:
         for h in handles:
@@ -118,6 +122,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+HEAP_NOTE = {"keep": "freed heap kept mapped, as the trainer runs: the peak includes what earlier steps left",
+             "return": "freed blocks of 128 KiB and more unmapped: the peak follows the live tensors"}
 NOTE = ("What is measured and how to read it: [performance](../performance.md#trainer-memory). Trainer-only: "
         "`train_step` on fixed rollouts, no engine.")
 
@@ -129,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--recipe", default="configs/tiny_fp8_e2e.yaml")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "memory")
+    p.add_argument("--heap", choices=("keep", "return"), default="keep",
+                   help="glibc in the ranks: keep freed heap mapped (the trainer's setting) or return it, so the "
+                        "peak is the live tensors' (slower)")
     p.add_argument("overrides", nargs="*", help="recipe overrides (key=value) for every layout")
     add_results_doc_args(p, "memory")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -164,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for s in sizes:
             for w in worlds:
-                rows.append(measure(models[s], a.recipe, w, a.steps, a.out, a.overrides))
+                rows.append(measure(models[s], a.recipe, w, a.steps, a.out, a.overrides, a.heap))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         if started:
@@ -175,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     if doc:
         details = [f"- workload: `{a.recipe}`, {PROMPTS} prompts x {GENERATIONS} samples, {PROMPT_LEN} + "
                    f"{RESPONSE_LEN} tokens, micro-batch {PROMPTS * GENERATIONS // 2}, {a.steps} steps; runs under "
-                   f"`{shown(a.out)}`"]
+                   f"`{shown(a.out)}`",
+                   f"- heap: `{a.heap}` ({HEAP_NOTE[a.heap]})" + (f"; overrides: `{' '.join(a.overrides)}`"
+                                                                if a.overrides else "")]
         print(f"results: {shown(write_result('memory', 'Trainer memory per rank', table(rows), origin, note=NOTE, details=details, path=doc))}")
     return 0
 

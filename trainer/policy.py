@@ -98,6 +98,21 @@ def keep_freed_heap_memory() -> bool:
     fresh mmap and unmaps it on free, so every activation / quantization temporary page-faults on first touch
     (measured: allocating and filling two 5 MB tensors 4.5 ms vs 0.15 ms with this set; a copy-sized op 30x slower).
     The trainer's peak memory is unchanged; its RSS just stays at the peak. Linux/glibc only; returns whether set."""
+    return _malloc_thresholds(1 << 30)
+
+
+def return_freed_heap_memory() -> bool:
+    """The opposite, for measuring: blocks of 128 KiB and more get their own mapping, unmapped when freed, so the
+    resident set follows the live tensors and its peak is theirs (slower; what ``bench.memory --heap return`` sets)."""
+    return _malloc_thresholds(128 << 10)
+
+
+# FP8GRPO_TRAINER_HEAP in a trainer's environment: keep (the default) or return, the two functions above
+HEAP_ENV = "FP8GRPO_TRAINER_HEAP"
+HEAP_POLICIES = {"keep": keep_freed_heap_memory, "return": return_freed_heap_memory}
+
+
+def _malloc_thresholds(nbytes: int) -> bool:
     import ctypes
     import ctypes.util
 
@@ -107,7 +122,7 @@ def keep_freed_heap_memory() -> bool:
     try:
         libc = ctypes.CDLL(name)
         m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+        return bool(libc.mallopt(m_mmap_threshold, nbytes)) and bool(libc.mallopt(m_trim_threshold, nbytes))
     except (OSError, AttributeError):
         return False
 
@@ -186,7 +201,10 @@ class PolicyWorker:
         self.run_dir = Path(run_dir) if run_dir else None
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cpu":
-            keep_freed_heap_memory()
+            heap = os.environ.get(HEAP_ENV, "keep")
+            if heap not in HEAP_POLICIES:
+                raise ValueError(f"{HEAP_ENV}: {heap!r} is not one of {', '.join(HEAP_POLICIES)}")
+            HEAP_POLICIES[heap]()
         from fp8core.bf16 import BF16Emulation, resolve_bf16_mode
         from fp8core.cpu import cpu_caps
 
