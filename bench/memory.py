@@ -81,7 +81,7 @@ def measure(model_dir: Path, recipe: str, world: int, steps: int, out: Path, ove
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rollouts, rewards = fixed_rollouts(vocab)
     tag = f"mem-{model_dir.name}-{world}-{int(time.time())}"
-    from trainer.policy import HEAP_ENV
+    from trainer.memory import HEAP_ENV
 
     names, handles = start_policy_workers(cfg, model_dir, out / tag, tag,
                                           env={"OMP_NUM_THREADS": "1", HEAP_ENV: heap})

@@ -72,6 +72,7 @@ from trainer.dp import (
     share_batches,
 )
 from trainer.dp import all_sum as dp_sum
+from trainer.memory import HEAP_ENV, HEAP_POLICIES
 
 
 def _autocast(precision: str, device: torch.device, bf16_emulation=None):
@@ -89,42 +90,6 @@ def _enter_all(parts):
         for part in parts:
             stack.enter_context(part)
         yield
-
-
-def keep_freed_heap_memory() -> bool:
-    """Stop glibc from returning freed large blocks to the OS (mallopt M_MMAP_THRESHOLD / M_TRIM_THRESHOLD = 1 GiB).
-
-    torch's CPU allocator is plain malloc: with two or more multi-MB tensors alive, glibc serves each new one with a
-    fresh mmap and unmaps it on free, so every activation / quantization temporary page-faults on first touch
-    (measured: allocating and filling two 5 MB tensors 4.5 ms vs 0.15 ms with this set; a copy-sized op 30x slower).
-    The trainer's peak memory is unchanged; its RSS just stays at the peak. Linux/glibc only; returns whether set."""
-    return _malloc_thresholds(1 << 30)
-
-
-def return_freed_heap_memory() -> bool:
-    """The opposite, for measuring: blocks of 128 KiB and more get their own mapping, unmapped when freed, so the
-    resident set follows the live tensors and its peak is theirs (slower; what ``bench.memory --heap return`` sets)."""
-    return _malloc_thresholds(128 << 10)
-
-
-# FP8GRPO_TRAINER_HEAP in a trainer's environment: keep (the default) or return, the two functions above
-HEAP_ENV = "FP8GRPO_TRAINER_HEAP"
-HEAP_POLICIES = {"keep": keep_freed_heap_memory, "return": return_freed_heap_memory}
-
-
-def _malloc_thresholds(nbytes: int) -> bool:
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, nbytes)) and bool(libc.mallopt(m_trim_threshold, nbytes))
-    except (OSError, AttributeError):
-        return False
 
 
 def lr_lambda(step: int, *, warmup_steps: int, decay: str, total_steps: int, min_lr_ratio: float) -> float:
