@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result
+from trainer.memory import HEAP_ENV, HEAP_POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
 # Qwen3-shaped sizes at least 4x apart in parameters (FP8 blocks: hidden / MLP widths multiples of 128)
@@ -33,12 +34,31 @@ SIZES = {
               "num_key_value_heads": 8, "head_dim": 64},  # ~103M
 }
 PROMPTS, GENERATIONS, PROMPT_LEN, RESPONSE_LEN = 4, 4, 32, 64
+# The probe that measures the memory model's process constant: one narrow layer, so that every tensor term is a few MB
+PROBE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 64}
 
 
 def build_model(name: str, out: Path) -> Path:
     from embedded.tiny_model import TinyModelSpec, build_tiny_model
 
-    return build_tiny_model(out / "models" / name, TinyModelSpec(**SIZES[name]))
+    return build_tiny_model(out / "models" / name, TinyModelSpec(**(PROBE if name == "probe" else SIZES[name])))
+
+
+def predicted(model_dir: Path, recipe: str, world: int, overrides: list[str], constant: float = 0.0) -> dict:
+    """trainer.memory_model's terms for this layout: the model's config.json, the bench's micro-batch, the recipe's
+    FP8 and activation-checkpointing keys (the trainer's GEMMs are emulated on a CPU)."""
+    from trainer.memory_model import ModelShape, predict_peak
+
+    cfg = config(recipe, world, overrides)
+    shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
+    rows = PROMPTS * GENERATIONS // world  # this rank's rows of the one update
+    mbs = cfg.policy.train_micro_batch_size
+    return predict_peak(shape, world=world, micro_batch_tokens=min(mbs, rows) * (PROMPT_LEN + RESPONSE_LEN),
+                        micro_batches=-(-rows // mbs),
+                        fp8=None if cfg.trainer_fp8_spec() is None else "emulated",
+                        activation_checkpointing=cfg.policy.megatron_cfg.activation_checkpointing,
+                        process_constant=constant)
 
 
 def fixed_rollouts(vocab_size: int, *, seed: int = 0) -> tuple[list[dict], list[float]]:
@@ -81,7 +101,6 @@ def measure(model_dir: Path, recipe: str, world: int, steps: int, out: Path, ove
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rollouts, rewards = fixed_rollouts(vocab)
     tag = f"mem-{model_dir.name}-{world}-{int(time.time())}"
-    from trainer.memory import HEAP_ENV
 
     names, handles = start_policy_workers(cfg, model_dir, out / tag, tag,
                                           env={"OMP_NUM_THREADS": "1", HEAP_ENV: heap})
@@ -108,17 +127,44 @@ def _mb(x: float) -> str:
     return f"{x / 2 ** 20:.1f}"
 
 
+def _last(r: dict) -> int:
+    return max(r["steps"][-1]["peak_above_baseline"])
+
+
 def table(rows: list[dict]) -> str:
-    """One line per (model, M): params, the largest rank's baseline and its step-1 / last-step peaks above it, and
-    the last step's ratio to M = 1 on the same model."""
-    one = {r["model"]: max(r["steps"][-1]["peak_above_baseline"]) for r in rows if r["world"] == 1}
+    """One line per (model, M): params, the largest rank's baseline and its step-1 / last-step peaks above it, the
+    last step's ratio to M = 1 on the same model, and the memory model's prediction of the last step (the probe's
+    rows give the model's process constant, so their prediction is their measurement)."""
+    one = {r["model"]: _last(r) for r in rows if r["world"] == 1}
     lines = ["| model | params | M | baseline RSS (MB, largest rank) | step 1 peak above baseline (MB) | "
-             "last step peak above baseline (MB) | last step vs M = 1 |", "|---|---|---|---|---|---|---|"]
+             "last step peak above baseline (MB) | last step vs M = 1 | predicted (MB) | measured / predicted |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        last = max(r["steps"][-1]["peak_above_baseline"])
+        last = _last(r)
         ratio = f"{last / one[r['model']]:.2f}x" if r["world"] > 1 and one.get(r["model"]) else "-"
-        lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['world']} | {_mb(max(r['baseline_rss']))} | "
-                     f"{_mb(max(r['steps'][0]['peak_above_baseline']))} | {_mb(last)} | {ratio} |")
+        pred = r.get("predicted", {}).get("total")
+        if r["model"] == "probe":
+            model = f"probe (constant {_mb(r['predicted']['process_constant'])})"
+            cells = "- | -"
+        else:
+            model = r["model"]
+            cells = "- | -" if pred is None else f"{_mb(pred)} | {last / pred:.2f}"
+        lines.append(f"| {model} | {r['params'] / 1e6:.1f}M | {r['world']} | {_mb(max(r['baseline_rss']))} | "
+                     f"{_mb(max(r['steps'][0]['peak_above_baseline']))} | {_mb(last)} | {ratio} | {cells} |")
+    return "\n".join(lines)
+
+
+def terms_table(rows: list[dict]) -> str:
+    """The predicted terms (MB) of every measured layout (trainer.memory_model)."""
+    keys = [k for k in next(iter(r["predicted"] for r in rows if "predicted" in r)) if k != "total"]
+    lines = ["| model | M | " + " | ".join(k.replace("_", " ") for k in keys) + " | total | measured |",
+             "|---|---|" + "---|" * (len(keys) + 2)]
+    for r in rows:
+        if r["model"] == "probe" or "predicted" not in r:
+            continue
+        p = r["predicted"]
+        lines.append(f"| {r['model']} | {r['world']} | " + " | ".join(_mb(p[k]) for k in keys) +
+                     f" | {_mb(p['total'])} | {_mb(_last(r))} |")
     return "\n".join(lines)
 
 
@@ -135,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--recipe", default="configs/tiny_fp8_e2e.yaml")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "memory")
-    p.add_argument("--heap", choices=("keep", "return"), default="keep",
+    p.add_argument("--heap", choices=tuple(HEAP_POLICIES), default="keep",
                    help="glibc in the ranks: keep freed heap mapped (the trainer's setting) or return it, so the "
                         "peak is the live tensors' (slower)")
     p.add_argument("overrides", nargs="*", help="recipe overrides (key=value) for every layout")
@@ -167,18 +213,27 @@ def main(argv: list[str] | None = None) -> int:
 
     a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
-    models = {s: build_model(s, a.out) for s in sizes}
+    models = {s: build_model(s, a.out) for s in ["probe", *sizes]}
     started = init_ray(load_config(a.recipe, ["ray.num_cpus=4"]), a.out / "ray")
-    rows = []
+    rows, constant = [], {}
     try:
+        for w in worlds:  # the process constant per M: the probe's peak beyond its (few MB of) tensor terms
+            r = measure(models["probe"], a.recipe, w, a.steps, a.out, a.overrides, a.heap)
+            constant[w] = _last(r) - predicted(models["probe"], a.recipe, w, a.overrides)["total"]
+            r["predicted"] = predicted(models["probe"], a.recipe, w, a.overrides, constant[w])
+            rows.append(r)
+            print(json.dumps(r), flush=True)
         for s in sizes:
             for w in worlds:
-                rows.append(measure(models[s], a.recipe, w, a.steps, a.out, a.overrides, a.heap))
-                print(json.dumps(rows[-1]), flush=True)
+                r = measure(models[s], a.recipe, w, a.steps, a.out, a.overrides, a.heap)
+                r["predicted"] = predicted(models[s], a.recipe, w, a.overrides, constant[w])
+                rows.append(r)
+                print(json.dumps(r), flush=True)
     finally:
         if started:
             ray.shutdown()
     print(table(rows))
+    print(terms_table(rows))
     (a.out / "latest.json").write_text(json.dumps(rows, indent=1))
     doc = results_doc(a)
     if doc:
@@ -187,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                    f"`{shown(a.out)}`",
                    f"- heap: `{a.heap}` ({HEAP_NOTE[a.heap]})" + (f"; overrides: `{' '.join(a.overrides)}`"
                                                                 if a.overrides else "")]
-        print(f"results: {shown(write_result('memory', 'Trainer memory per rank', table(rows), origin, note=NOTE, details=details, path=doc))}")
+        body = f"{table(rows)}\n\nThe predicted terms (MB; trainer.memory_model):\n\n{terms_table(rows)}"
+        path = write_result("memory", "Trainer memory per rank", body, origin, note=NOTE, details=details, path=doc)
+        print(f"results: {shown(path)}")
     return 0
 
 

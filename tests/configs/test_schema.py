@@ -47,10 +47,14 @@ def test_gpu_recipes_validate(name):
     assert cfg.policy.megatron_cfg.fp8_cfg.fp8_recipe == "blockwise"
     assert cfg.cluster.gpus_per_node == 8 and cfg.checkpointing.checkpoint_dir.startswith("s3://")
     assert (cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt) % cfg.policy.train_global_batch_size == 0
-    # the layout the multi-GPU recipes state: 4 engines + 4 sharded trainers, one GPU each, on the 8 GPUs
+    # the layouts the recipes state (bench.layouts predicts their trainer memory): 8B, 4 engines + 4 sharded trainers
+    # on one 8-GPU node; 30B-A3B, 8 + 8 on two nodes, trainers with activation checkpointing
     c, r = cfg.cluster, cfg.ray
-    assert (c.rollout_workers, c.policy_workers, r.rollout_worker.num_gpus, r.policy_worker.num_gpus) == (4, 4, 1, 1)
-    assert c.rollout_workers * r.rollout_worker.num_gpus + c.policy_workers * r.policy_worker.num_gpus == 8
+    n = 8 if name.startswith("qwen3-30b-a3b") else 4
+    assert (c.rollout_workers, c.policy_workers, r.rollout_worker.num_gpus, r.policy_worker.num_gpus) == (n, n, 1, 1)
+    assert c.rollout_workers * r.rollout_worker.num_gpus + c.policy_workers * r.policy_worker.num_gpus == 2 * n
+    assert c.num_nodes * c.gpus_per_node == 2 * n and (c.num_nodes == 1 or r.address)
+    assert cfg.policy.megatron_cfg.activation_checkpointing == (n == 8)
     if name.startswith("qwen3-8b"):
         assert vc.kv_cache_dtype == "fp8" and cfg.policy.model_name == "Qwen/Qwen3-8B-Base"
     if name.startswith("qwen3-30b-a3b"):  # MoE: experts FP8 on both sides, routing replay on

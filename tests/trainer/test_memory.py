@@ -26,17 +26,25 @@ def test_a_reset_peak_sees_a_new_allocation_and_then_forgets_it():
     assert peak_bytes() - rss_bytes() < 8 << 20  # the peak is back near the current RSS
 
 
-def test_table_takes_the_largest_rank_and_compares_with_one_rank():
-    from bench.memory import table
+def test_table_takes_the_largest_rank_and_compares_with_one_rank_and_the_model():
+    from bench.memory import table, terms_table
 
     mb = 1 << 20
-    rows = [{"model": "m", "params": 24e6, "world": 1, "baseline_rss": [500 * mb],
-             "steps": [{"peak_above_baseline": [300 * mb]}, {"peak_above_baseline": [200 * mb]}]},
+    rows = [{"model": "probe", "params": 0.4e6, "world": 1, "baseline_rss": [450 * mb],
+             "steps": [{"peak_above_baseline": [30 * mb]}, {"peak_above_baseline": [25 * mb]}],
+             "predicted": {"optimizer": 5 * mb, "process_constant": 20 * mb, "total": 25 * mb}},
+            {"model": "m", "params": 24e6, "world": 1, "baseline_rss": [500 * mb],
+             "steps": [{"peak_above_baseline": [300 * mb]}, {"peak_above_baseline": [200 * mb]}],
+             "predicted": {"optimizer": 150 * mb, "process_constant": 20 * mb, "total": 250 * mb}},
             {"model": "m", "params": 24e6, "world": 2, "baseline_rss": [400 * mb, 410 * mb],
              "steps": [{"peak_above_baseline": [150 * mb, 160 * mb]}, {"peak_above_baseline": [90 * mb, 120 * mb]}]}]
     lines = table(rows).splitlines()
-    assert lines[2] == "| m | 24.0M | 1 | 500.0 | 300.0 | 200.0 | - |"
-    assert lines[3] == "| m | 24.0M | 2 | 410.0 | 160.0 | 120.0 | 0.60x |"
+    assert lines[2] == "| probe (constant 20.0) | 0.4M | 1 | 450.0 | 30.0 | 25.0 | - | - | - |"
+    assert lines[3] == "| m | 24.0M | 1 | 500.0 | 300.0 | 200.0 | - | 250.0 | 0.80 |"
+    assert lines[4] == "| m | 24.0M | 2 | 410.0 | 160.0 | 120.0 | 0.60x | - | - |"
+    terms = terms_table(rows).splitlines()
+    assert terms[0] == "| model | M | optimizer | process constant | total | measured |"
+    assert terms[2:] == ["| m | 1 | 150.0 | 20.0 | 250.0 | 200.0 |"]
 
 
 def test_fixed_rollouts_train_every_row():

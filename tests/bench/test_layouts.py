@@ -1,0 +1,45 @@
+"""bench.layouts: the GPU recipes' trainer memory predicted by trainer.memory_model, on the published model shapes."""
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.layouts import SHAPES, main, predict
+from trainer.memory_model import ModelShape
+
+GPU = Path(__file__).resolve().parents[2] / "configs" / "gpu"
+# the parameter counts the model cards publish
+PUBLISHED = {"meta-llama/Llama-3.1-8B-Instruct": 8.03e9, "Qwen/Qwen3-8B-Base": 8.19e9, "Qwen/Qwen3-30B-A3B-Base": 30.5e9}
+
+
+def test_shipped_shapes_have_the_published_parameter_counts():
+    shapes = {k: v for k, v in json.loads(SHAPES.read_text()).items() if not k.startswith("_")}
+    assert set(shapes) == set(PUBLISHED)
+    for name, fields in shapes.items():
+        assert ModelShape.from_config(fields).params == pytest.approx(PUBLISHED[name], rel=0.005), name
+
+
+def test_the_30b_layout_fits_only_as_the_recipe_lays_it_out(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty cache: the shipped shapes
+    recipe = str(GPU / "qwen3-30b-a3b-fp8-e2e.yaml")
+    r = predict(recipe, [], activation_checkpointing=True)
+    assert r["world"] == 8 and r["source"] == "configs/gpu/model-shapes.json"
+    assert r["masters"] == pytest.approx(4 * r["params"] / 8)
+    assert r["total"] < 141e9 * 0.7  # room for the CUDA context, NCCL and fragmentation
+    single_node = ["cluster.num_nodes=1", "ray.address=null", "cluster.policy_workers=4", "cluster.rollout_workers=4"]
+    assert predict(recipe, single_node, activation_checkpointing=True)["total"] > 141e9
+
+
+def test_command_prints_every_recipe_with_and_without_checkpointing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert main([str(p) for p in sorted(GPU.glob("*.yaml"))] + ["--no-results-doc"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "fp8-e2e" in ln]
+    assert len(rows) == 6 and all(ln.endswith("| yes |") for ln in rows)
+
+
+def test_a_recipe_that_names_an_unknown_model_fails_in_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(SystemExit):
+        main([str(GPU / "qwen3-8b-base-fp8-e2e.yaml"), "-o", "policy.model_name=org/unknown", "--no-results-doc"])
+    err = capsys.readouterr().err
+    assert "policy.model_name: 'org/unknown' is neither in the Hugging Face cache" in err

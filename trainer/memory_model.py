@@ -1,0 +1,166 @@
+"""A trainer rank's peak memory, predicted: the terms of one optimizer update's peak above the rank's post-load
+baseline, from the model's shape, the number of data-parallel ranks M, the tokens of one micro-batch and the recipe.
+
+The peak of a steady-state step (its second and later) falls in the backward of an update's last micro-batch, when
+everything below is alive at once:
+
+==========================  ==================================================================================
+term                        bytes per rank
+==========================  ==================================================================================
+optimizer                   8 P / M: AdamW's two FP32 moments, sharded by FSDP2 (created in the first step)
+gradients                   4 P / M: FP32 gradients of this rank's shard (reduce-scattered per micro-batch).
+                            With one micro-batch per update they are created as the backward frees the
+                            activations, so the peak holds the larger of the two, not their sum
+FP8 weight cache            one rank (M = 1) only: each FP8 linear's quantized weight for the step (1 B per
+                            parameter of codes; + 4 B of its dequantization where the GEMM is emulated)
+gathered layers             M > 1: one decoder layer's full FP32 weights and its full gradient before the
+                            reduce-scatter (2 x 4 B x layer parameters), + 4 B x layer parameters per layer
+                            gathered ahead (``prefetch``: 0 on a CPU, where gloo's all-gathers are synchronous
+                            and tests/trainer/test_dp_policy.py counts one gathered layer at a time; FSDP2
+                            prefetches 1 on a GPU); the root unit (embeddings, final norm, output projection)
+                            stays gathered during the update, with its full gradient (2 x 4 B x root
+                            parameters x (1 - 1/M)); the FP8 linear of the gathered layer quantizes its weight
+                            per use (the largest linear's copy)
+activations                 the micro-batch's tokens x what autograd saves per token: per decoder layer
+                            6 h + 4 i + 4 q + 4 kv elements (h hidden, i MLP width, q / kv the query and key /
+                            value widths: the residual stream and norms, the MLP's gate, up, activation and
+                            product, queries and keys before and after their norm and rotation, the attention
+                            kernel's copies, values, the attention output); a Mixture-of-Experts layer saves
+                            k (3 h + 4 i_expert) + 2 E instead of 4 i, for its k of E experts; + 3 h for the
+                            final norm (its input, the normalized and the scaled output). With activation
+                            checkpointing: h per layer (its input) + one layer's full set while the backward
+                            recomputes it
+logits                      tokens x vocabulary x 3 x 4 B: logits, their log-softmax and its gradient (FP32)
+backward transients         one decoder layer's activations again: the gradients of its saved tensors and the
+                            FP8 backward's quantized operands while the backward passes the layer
+process constant            measured: what a step allocates beyond the tensors above (the allocator's arenas,
+                            autograd's graph, collectives' buffers, the batch), on a probe model too small for
+                            the other terms to matter (bench.memory)
+==========================  ==================================================================================
+
+P counts every parameter (masters are FP32 on the trainer; the baseline holds them, so they are not a term);
+element sizes are 4 B on CPU (FP32 training) and ``act_bytes`` = 2 under BF16 autocast on a GPU. The counts of
+saved tensors per token come from the pipeline's own forward (Qwen3 decoder layers with fp8core linears, counted with
+autograd's saved-tensor hooks, deduplicated by storage); a different attention kernel or model family moves them.
+``bench.memory`` prints each measured peak beside this prediction."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+F32 = 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the memory terms depend on (a Hugging Face ``config.json``'s fields, Qwen3 / Qwen3-MoE / Llama)."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool = False
+    experts: int = 0  # > 0: every decoder layer is a Mixture-of-Experts layer of this many experts
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: Mapping) -> ModelShape:
+        """From a ``config.json`` dictionary; a missing size field is named in the error."""
+        try:
+            h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            return cls(vocab=int(cfg["vocab_size"]), hidden=h, intermediate=int(cfg.get("intermediate_size") or 0),
+                       layers=int(cfg["num_hidden_layers"]), heads=heads,
+                       kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                       head_dim=int(cfg.get("head_dim") or h // heads),
+                       tied=bool(cfg.get("tie_word_embeddings", False)),
+                       experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0),
+                       experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+                       expert_intermediate=int(cfg.get("moe_intermediate_size") or 0))
+        except KeyError as e:
+            raise ValueError(f"model config: no {e.args[0]!r} field") from None
+
+    # parameters
+    @property
+    def attention_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return 2 * self.hidden * q + 2 * self.hidden * kv  # q, o; k, v
+
+    @property
+    def mlp_params(self) -> int:
+        if self.experts:
+            return self.experts * 3 * self.hidden * self.expert_intermediate
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def layer_params(self) -> int:
+        norms = 2 * self.hidden + 2 * self.head_dim  # input / post-attention norms, Qwen3's q / k norms
+        router = self.hidden * self.experts
+        return self.attention_params + self.mlp_params + norms + router
+
+    @property
+    def root_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+    @property
+    def fp8_params(self) -> int:
+        """Parameters of the decoder layers' linears (the FP8 ones; routers stay high precision)."""
+        return self.layers * (self.attention_params + self.mlp_params)
+
+    @property
+    def largest_linear(self) -> int:
+        q = self.heads * self.head_dim
+        mlp = self.hidden * (self.expert_intermediate if self.experts else self.intermediate)
+        return max(self.hidden * q, mlp)
+
+    # activations
+    def layer_activation_elems(self) -> int:
+        """Elements autograd saves per token in one decoder layer (module docstring)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = 6 * self.hidden + 4 * q + 4 * kv
+        if self.experts:
+            return attn + self.experts_per_token * (3 * self.hidden + 4 * self.expert_intermediate) + 2 * self.experts
+        return attn + 4 * self.intermediate
+
+
+def predict_peak(shape: ModelShape, *, world: int, micro_batch_tokens: int, micro_batches: int = 2,
+                 fp8: str | None = "emulated", activation_checkpointing: bool = False, act_bytes: int = F32,
+                 prefetch: int = 0, process_constant: float = 0.0) -> dict[str, float]:
+    """The terms (bytes) of one rank's steady-state peak above its baseline and their ``total``.
+
+    ``fp8``: None (no FP8 linears), ``"emulated"`` (FP8 codes computed in FP32: the CPU's trainer) or ``"native"``
+    (FP8 GEMMs: codes only). ``micro_batch_tokens``: rows x padded length of one training micro-batch;
+    ``micro_batches``: how many one update runs on this rank."""
+    if world < 1 or micro_batch_tokens < 0 or micro_batches < 1:
+        raise ValueError(f"world >= 1, micro_batch_tokens >= 0 and micro_batches >= 1 required, got {world}, "
+                         f"{micro_batch_tokens}, {micro_batches}")
+    if fp8 not in (None, "emulated", "native"):
+        raise ValueError(f"fp8: {fp8!r} is not one of None, 'emulated', 'native'")
+    s, m, t = shape, world, micro_batch_tokens
+    fp8_bytes = 0 if fp8 is None else (1 + F32 if fp8 == "emulated" else 1)
+    terms = {"optimizer": 2 * F32 * s.params / m, "gradients": F32 * s.params / m}
+    terms["fp8_weight_cache"] = s.fp8_params * fp8_bytes if m == 1 else 0.0
+    terms["gathered_layers"] = 0.0 if m == 1 else (
+        (2 + prefetch) * F32 * s.layer_params + 2 * F32 * s.root_params * (1 - 1 / m) + fp8_bytes * s.largest_linear)
+    per_layer = s.layer_activation_elems()
+    if activation_checkpointing:
+        saved = s.layers * s.hidden + per_layer
+    else:
+        saved = s.layers * per_layer
+    terms["activations"] = float(t * (saved + 3 * s.hidden) * act_bytes)
+    if micro_batches == 1:  # gradients appear as activations are freed: the peak holds the larger
+        terms["gradients"] = max(0.0, terms["gradients"] - terms["activations"])
+    terms["logits"] = float(t * s.vocab * 3 * F32)
+    terms["backward_transients"] = float(t * per_layer * act_bytes)
+    terms["process_constant"] = float(process_constant)
+    terms["total"] = math.fsum(terms.values())
+    return terms
