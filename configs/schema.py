@@ -156,6 +156,18 @@ class RouterReplayCfg:
 
 
 @dataclass(frozen=True)
+class SequencePackingCfg:
+    """Sequence packing (NeMo RL's section and keys): each training micro-batch and each no-grad logprob batch runs
+    as one row holding its sequences end to end, each attending to itself only (position ids restart per sequence),
+    so no padding token is computed; batches are cut by tokens instead of rows (trainer/batch.py)."""
+
+    enabled: bool = False
+    # tokens per training micro-batch / per no-grad logprob batch; None: the row sizes x max_total_sequence_length
+    train_mb_tokens: int | None = None
+    logprob_mb_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class PolicyCfg:
     # a local Hugging Face model directory, a hub id ORG/NAME (found in the Hugging Face cache, storage/hub.py), or
     # embedded (the tiny model the bootstrap builds)
@@ -176,6 +188,7 @@ class PolicyCfg:
     megatron_cfg: MegatronCfg = field(default_factory=MegatronCfg)
     generation: GenerationCfg = field(default_factory=GenerationCfg)
     router_replay: RouterReplayCfg = field(default_factory=RouterReplayCfg)
+    sequence_packing: SequencePackingCfg = field(default_factory=SequencePackingCfg)
     threads: int = 2  # torch threads inside the policy actor
 
 
@@ -722,6 +735,11 @@ def _validate_lengths(c: Config):
            "policy.max_total_sequence_length",
            f"{p.max_total_sequence_length} < data.max_input_seq_length ({c.data.max_input_seq_length}) + "
            f"policy.generation.max_new_tokens ({p.generation.max_new_tokens})")
+    for key in ("train_mb_tokens", "logprob_mb_tokens"):  # a batch holds at least one whole sequence
+        n = getattr(p.sequence_packing, key)
+        _check(n is None or n >= p.max_total_sequence_length, f"policy.sequence_packing.{key}",
+               f"{n} is less than policy.max_total_sequence_length ({p.max_total_sequence_length}): the longest "
+               "sequence would not fit in one batch")
 
 
 def _validate_checkpointing(c: Config):

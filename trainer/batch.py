@@ -85,6 +85,25 @@ def _pad_cols(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1)
 
 
+class Packed:
+    """A right-padded micro-batch's sequences end to end in one row (sequence packing): ``tokens [1, T]`` (T = its
+    real tokens), ``position_ids [1, T]`` restarting at 0 for each sequence -- a forward given them without an
+    attention mask attends within each sequence only (transformers' packed-sequence mask) -- and ``real [B, L]``,
+    the padded positions the packed ones came from (row-major: each row's tokens in order, row after row)."""
+
+    def __init__(self, b: Batch):
+        self.real = b.attn.bool()
+        self.tokens = b.tokens[self.real][None]
+        lengths = b.attn.sum(1).tolist()
+        self.position_ids = torch.cat([torch.arange(int(n)) for n in lengths])[None]
+        self.starts = self.position_ids[0] == 0  # each sequence's first token: nothing before it predicts it
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``[1, T]`` (or ``[T]``) per packed token -> ``[B, L]``, zero on padding; differentiable."""
+        out = packed.new_zeros(self.real.shape)
+        return out.masked_scatter(self.real.to(packed.device), packed.reshape(-1))
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float):
     """Teacher-forced logprobs of ``tokens`` under ``logits`` (``[B, L, V]``, from a forward over ``tokens``):
     ``logp[:, j] = log softmax(z_{j-1})[tokens_j]`` for j >= 1 with ``z = logits / temperature`` in FP32, column 0
@@ -95,14 +114,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: f
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1), z
 
 
-def by_length(b: Batch, batch_size: int, forward) -> tuple[torch.Tensor, torch.Tensor | None]:
+def by_length(b: Batch, batch_size: int, forward, max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``forward(sub_batch) -> (logp, entropy or None)`` over ``b`` in longest-first batches of ``batch_size``
-    rows, each trimmed to its own longest sequence (less padding); the results ``[len(b), b.width]`` come back in
-    ``b``'s row order, zero beyond each batch's width."""
+    rows (of at most ``max_tokens`` tokens with sequence packing), each trimmed to its own longest sequence (less
+    padding); the results ``[len(b), b.width]`` come back in ``b``'s row order, zero beyond each batch's width."""
     from trainer.dp import longest_first_batches
 
     lp_all = ent_all = None
-    for idx in longest_first_batches(b.attn.sum(1), batch_size):
+    for idx in longest_first_batches(b.attn.sum(1), batch_size, max_tokens):
         lp, ent = forward(b.slice(idx).trimmed())
         if lp_all is None:
             lp_all = torch.zeros(len(b), b.width, dtype=lp.dtype)

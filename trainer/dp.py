@@ -225,14 +225,31 @@ def gather_objects(obj, group: DPGroup) -> list:
     return out
 
 
-def longest_first_batches(lengths: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+def longest_first_batches(lengths: torch.Tensor, batch_size: int, max_tokens: int | None = None) -> list[torch.Tensor]:
     """The no-grad passes' batching rule (PolicyWorker._local_logprobs): positions sorted by length, descending and
-    stable, in chunks of ``batch_size``."""
+    stable, in chunks of ``batch_size``; with ``max_tokens`` (sequence packing) in chunks of at most that many
+    tokens instead (token_chunks)."""
     order = torch.argsort(lengths, descending=True, stable=True)
+    if max_tokens is not None:
+        return token_chunks(order, lengths, max_tokens)
     return list(torch.split(order, max(int(batch_size), 1))) if len(order) else []  # split() of nothing: [empty]
 
 
-def share_batches(lengths: torch.Tensor, batch_size: int, group: DPGroup) -> torch.Tensor:
+def token_chunks(rows: torch.Tensor, lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+    """``rows`` (positions into ``lengths``) in their order, cut into consecutive chunks of at most ``max_tokens``
+    tokens each (a longer sequence alone in its chunk): the batches of sequence packing."""
+    out, start, total = [], 0, 0
+    for i, n in enumerate(lengths[rows].tolist()):
+        if total and total + n > max_tokens:
+            out.append(rows[start:i])
+            start, total = i, 0
+        total += n
+    if len(rows):
+        out.append(rows[start:])
+    return out
+
+
+def share_batches(lengths: torch.Tensor, batch_size: int, group: DPGroup, max_tokens: int | None = None) -> torch.Tensor:
     """Positions (into ``lengths``) of the rows this rank computes in a no-grad pass that batches rows longest-first:
     the single worker's batches -- rows sorted by length (descending, stable), then chunks of ``batch_size`` -- a
     contiguous share of whole batches per rank, listed in that sorted order (so the rank's own longest-first batching
@@ -240,7 +257,7 @@ def share_batches(lengths: torch.Tensor, batch_size: int, group: DPGroup) -> tor
     numerics -- GEMM blocking over the batch's rows, trimming to its longest row, BF16 rounding of every output --
     do not depend on the world size. (A share of rows, batched per rank, regroups them: on an AVX2 CPU with emulated
     BF16 that moved old logprobs by BF16 ulps and the second update's gradients of 2 ranks by 2e-3 relative.)"""
-    batches = longest_first_batches(lengths, batch_size)
+    batches = longest_first_batches(lengths, batch_size, max_tokens)
     mine = group.share(torch.arange(len(batches))).tolist()
     return torch.cat([batches[i] for i in mine]) if mine else lengths.new_zeros(0, dtype=torch.long)
 

@@ -59,7 +59,7 @@ import torch
 from configs.schema import Config
 from fp8core.cpu import usable_threads
 from storage.hub import local_model_dir
-from trainer.batch import Batch, _pad_cols, by_length, token_logprobs
+from trainer.batch import Batch, Packed, _pad_cols, by_length, token_logprobs
 from trainer.dp import (
     DPGroup,
     all_min,
@@ -70,6 +70,7 @@ from trainer.dp import (
     longest_first_batches,
     per_layer_no_grad,
     share_batches,
+    token_chunks,
 )
 from trainer.dp import all_sum as dp_sum
 from trainer.memory import HEAP_ENV, HEAP_POLICIES
@@ -189,6 +190,11 @@ class PolicyWorker:
         # policy.megatron_cfg.activation_checkpointing: decoder layers recompute their activations in the backward,
         # under the contexts their forward ran under (_forward_contexts); before sharding (trainer.dp)
         self._recompute = None  # during a forward: () -> its contexts, once more (_token_logp)
+        # policy.sequence_packing: batches of several rows run packed (_token_logp), cut by tokens
+        self.packing = p.sequence_packing
+        sp, seq = p.sequence_packing, p.max_total_sequence_length
+        self._train_tokens = (sp.train_mb_tokens or p.train_micro_batch_size * seq) if sp.enabled else None
+        self._logprob_tokens = (sp.logprob_mb_tokens or p.logprob_batch_size * seq) if sp.enabled else None
         self.activation_checkpointing = bool(p.megatron_cfg.activation_checkpointing)
         if self.activation_checkpointing:
             from trainer.dp import checkpoint_layers
@@ -289,21 +295,30 @@ class PolicyWorker:
 
     # ---------------------------------------------------------------------------------------------------- logprobs
     def _token_logp(self, b: Batch, *, want_entropy: bool = False):
-        """Forward one micro-batch; returns (logp [B, L] aligned to tokens, entropy [B, L] or None)."""
-        tokens, attn = b.tokens.to(self.device), b.attn.to(self.device)
+        """Forward one micro-batch; returns (logp [B, L] aligned to tokens, entropy [B, L] or None). With sequence
+        packing (policy.sequence_packing.enabled) a batch of several rows runs as one row of its real tokens
+        (trainer.batch.Packed), its results unpacked to the padded layout."""
+        packed = Packed(b) if self.packing.enabled and len(b) > 1 else None
+        if packed is None:
+            tokens = b.tokens.to(self.device)
+            inputs = {"input_ids": tokens, "attention_mask": b.attn.to(self.device)}
+        else:  # no attention mask: the restarting position ids keep each sequence to itself
+            tokens = packed.tokens.to(self.device)
+            inputs = {"input_ids": tokens, "position_ids": packed.position_ids.to(self.device)}
         replay = None
         if self.router_replay and b.routing is not None:  # R3: the engine's experts for every token
             k = b.routing.shape[-1]
-            replay = {layer: b.routing[:, :, j].reshape(-1, k).to(self.device)
+            routing = b.routing if packed is None else b.routing[packed.real][None]
+            replay = {layer: routing[:, :, j].reshape(-1, k).to(self.device)
                       for j, layer in enumerate(self.moe_layers)}
         try:
             self._recompute = lambda: self._forward_contexts(replay)  # each checkpointed layer's recompute
             with self._forward_contexts(replay):
-                logits = self.model(input_ids=tokens, attention_mask=attn).logits
+                logits = self.model(**inputs).logits
         finally:
             self._recompute = None
         if self._moe_measure:
-            self._record_routing(b)
+            self._record_routing(b, packed)
         logp, z = token_logprobs(logits, tokens, temperature=self.cfg.policy.generation.temperature)
         ent = None
         if want_entropy:
@@ -311,6 +326,10 @@ class PolicyWorker:
 
             e = token_entropy(z.detach())
             ent = torch.cat([torch.zeros_like(e[:, :1]), e], dim=1)
+        if packed is not None:  # a sequence's first token follows the previous sequence: no logprob, no entropy
+            starts = packed.starts.to(logp.device)[None]
+            logp = packed.unpack(logp.masked_fill(starts, 0.0))
+            ent = None if ent is None else packed.unpack(ent.masked_fill(starts, 0.0))
         return logp, ent
 
     def _forward_contexts(self, replay: dict | None) -> contextlib.AbstractContextManager:
@@ -347,19 +366,20 @@ class PolicyWorker:
             self._moe_measure = measure
 
     @torch.no_grad()
-    def _record_routing(self, b: Batch) -> None:
+    def _record_routing(self, b: Batch, packed: Packed | None = None) -> None:
         """Accumulate this forward's routing for the step's ``moe/*`` metrics (real tokens only): tokens whose own
-        top-k set differs from the engine's, and the per-layer expert loads of the experts used."""
+        top-k set differs from the engine's, and the per-layer expert loads of the experts used. ``packed``: the
+        forward ran the batch packed (its tokens are all real)."""
         from fp8core.moe import routers
 
-        real = b.attn.reshape(-1).bool()
+        real = b.attn.reshape(-1).bool() if packed is None else torch.ones(int(b.attn.sum()), dtype=torch.bool)
         acc = self._moe_acc
         for j, (_, r) in enumerate(routers(self.model)):
             used = r.last_ids.cpu()[real]
             acc["counts"][j] += torch.bincount(used.reshape(-1), minlength=r.num_experts).double()
             if b.routing is not None:
                 own = r.last_own_ids.cpu()[real].sort(-1).values
-                eng = b.routing[:, :, j].reshape(-1, b.routing.shape[-1])[real].sort(-1).values
+                eng = b.routing[:, :, j].reshape(-1, b.routing.shape[-1])[b.attn.reshape(-1).bool()].sort(-1).values
                 acc["mismatch"] += int((own != eng).any(-1).sum())
                 acc["tokens"] += int(real.sum())
 
@@ -396,8 +416,8 @@ class PolicyWorker:
         rows = torch.arange(len(b)) if rows is None else rows
         lengths = b.attn[rows].sum(1)
         bs = self.cfg.policy.logprob_batch_size
-        mine = share_batches(lengths, bs, self.dp)
-        n_batches = len(longest_first_batches(lengths, bs))
+        mine = share_batches(lengths, bs, self.dp, self._logprob_tokens)
+        n_batches = len(longest_first_batches(lengths, bs, self._logprob_tokens))
         pad = equal_count(n_batches, self.dp) - len(self.dp.share(torch.arange(n_batches)))
         lp = torch.zeros(len(rows), b.width)
         ent = torch.zeros(len(rows), b.width, dtype=torch.float64) if want_entropy else None
@@ -427,7 +447,7 @@ class PolicyWorker:
         self.model.eval()
         sub = b if rows is None else b.slice(rows)
         out = by_length(sub, self.cfg.policy.logprob_batch_size,
-                        lambda mb: self._token_logp(mb, want_entropy=want_entropy))
+                        lambda mb: self._token_logp(mb, want_entropy=want_entropy), self._logprob_tokens)
         self.model.train(was)
         return out
 
@@ -587,12 +607,18 @@ class PolicyWorker:
         st.n_gb += 1
         finite = True
         mine = self.dp.share(gidx)  # data-parallel: this rank's contiguous share (all rows without a group)
-        # data-parallel: every rank runs rank 0's number of micro-batches (per-layer collectives in each); one with
-        # fewer rows, or past a non-finite loss, runs zero-weighted ones
-        n_mb = -(-equal_count(len(gidx), self.dp) // mbs)
+        # data-parallel: every rank runs the largest rank's number of micro-batches (per-layer collectives in each);
+        # one with fewer, or past a non-finite loss, runs zero-weighted ones. Micro-batches of mbs rows, or with
+        # sequence packing of at most _train_tokens tokens
+        if self._train_tokens is None:
+            n_mb = -(-equal_count(len(gidx), self.dp) // mbs)
+            chunks = [mine[j * mbs: (j + 1) * mbs] for j in range(n_mb)]
+        else:
+            chunks = token_chunks(mine, b.attn.sum(1), self._train_tokens)
+            n_mb = -int(all_min(-float(len(chunks)), self.dp))
         one = b.slice(gidx[:1]).trimmed()
         for j in range(n_mb):
-            idx = mine[j * mbs: (j + 1) * mbs]
+            idx = chunks[j] if j < len(chunks) else mine[:0]
             if not len(idx) or not finite:
                 if not self.dp.active:
                     break

@@ -166,6 +166,9 @@ READERS = {
     "bootstrap.num_experts_per_tok": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
     "bootstrap.moe_intermediate_size": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
     "policy.router_replay.enabled": ("trainer/policy.py", "p.router_replay.enabled"),
+    "policy.sequence_packing.enabled": ("trainer/policy.py", "if sp.enabled"),
+    "policy.sequence_packing.train_mb_tokens": ("trainer/policy.py", "sp.train_mb_tokens or"),
+    "policy.sequence_packing.logprob_mb_tokens": ("trainer/policy.py", "sp.logprob_mb_tokens or"),
 }
 
 # keys accepted at one value only: (override that must fail, with this dotted path)
