@@ -195,6 +195,7 @@ class PolicyWorker:
         sp, seq = p.sequence_packing, p.max_total_sequence_length
         self._train_tokens = (sp.train_mb_tokens or p.train_micro_batch_size * seq) if sp.enabled else None
         self._logprob_tokens = (sp.logprob_mb_tokens or p.logprob_batch_size * seq) if sp.enabled else None
+        self._positions = [0, 0]  # positions the forwards computed, real tokens among them (since train_step began)
         self.activation_checkpointing = bool(p.megatron_cfg.activation_checkpointing)
         if self.activation_checkpointing:
             from trainer.dp import checkpoint_layers
@@ -299,6 +300,8 @@ class PolicyWorker:
         packing (policy.sequence_packing.enabled) a batch of several rows runs as one row of its real tokens
         (trainer.batch.Packed), its results unpacked to the padded layout."""
         packed = Packed(b) if self.packing.enabled and len(b) > 1 else None
+        self._positions[0] += b.tokens.numel() if packed is None else packed.tokens.numel()  # computed positions
+        self._positions[1] += int(b.attn.sum())  # of them real tokens: train/padding_frac
         if packed is None:
             tokens = b.tokens.to(self.device)
             inputs = {"input_ids": tokens, "attention_mask": b.attn.to(self.device)}
@@ -503,6 +506,7 @@ class PolicyWorker:
         if self.hooks is not None:  # TEST-ONLY: a trainer lost mid-step
             self.hooks.kill_point()
         t0 = time.perf_counter()
+        self._positions = [0, 0]
         st = self._plan_step(rollouts, rewards, step)
         st.t_old = time.perf_counter() - t0
         self._prepare_loss(st)
@@ -698,9 +702,11 @@ class PolicyWorker:
         """Data-parallel: every rank's micro-batch sums, clip parts and MoE routing counts, on every rank."""
         if not self.dp.active:
             return
-        parts = gather_objects((st.sums, st.n_mb, [(u, lm, a, mk) for u, lm, a, mk in st.clip_parts]), self.dp)
+        parts = gather_objects((st.sums, st.n_mb, [(u, lm, a, mk) for u, lm, a, mk in st.clip_parts],
+                                self._positions), self.dp)
         st.sums, st.n_mb, st.clip_parts = {}, sum(p[1] for p in parts), [c for p in parts for c in p[2]]
-        for part_sums, _, _ in parts:
+        self._positions = [sum(p[3][i] for p in parts) for i in (0, 1)]
+        for part_sums, _, _, _ in parts:
             for k, v in part_sums.items():
                 st.sums[k] = st.sums.get(k, 0.0) + v
         if self.moe_layers:  # every rank's routing counts
@@ -718,6 +724,9 @@ class PolicyWorker:
         m.update(mismatch_metrics(st.old_logp, b.rollout_logp, b.mask))
         m["policy/entropy"] = float((st.ent * b.mask).sum() / b.mask.sum().clamp_min(1))  # exact, sampled tokens
         m.update(response_length_metrics(b.mask))
+        # the share of the positions this step's forwards computed (old logprobs, updates) that were padding: 0 with
+        # sequence packing, whose batches hold only real tokens
+        m["train/padding_frac"] = 1.0 - self._positions[1] / max(1, self._positions[0])
         if st.is_w is not None:
             m.update(importance_weights(st.old_logp, b.rollout_logp, b.mask, **st.is_kw)[1])
         m["train/old_logprob_pass_samples"] = float(len(st.later))

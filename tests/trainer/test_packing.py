@@ -115,6 +115,7 @@ def test_packed_training_step_equals_the_padded_one(model_dir, numerics):  # noq
     rel = {k: abs(m1[k] - m0[k]) / abs(m0[k]) for k in ("loss/total", "train/grad_norm")}
     print(f"{numerics}: first update's gradient relative L2 diff {dg:.2e}, relative metric diffs {rel}")
     assert m1["train/tokens"] == m0["train/tokens"]
+    assert m1["train/padding_frac"] == 0.0 < m0["train/padding_frac"]  # the packed forwards computed no padding
     assert m1["mismatch/token_mult_prob_error"] == pytest.approx(m0["mismatch/token_mult_prob_error"], rel=1e-6)
     if numerics == "fp32":
         assert dg < 1e-5 and max(rel.values()) < 1e-5
@@ -124,3 +125,18 @@ def test_packed_training_step_equals_the_padded_one(model_dir, numerics):  # noq
         e_pad, e_pack = (float((g - exact).norm() / exact.norm()) for g in (a, b))
         print(f"FP8 gradient error vs FP32: padded {e_pad:.2e}, packed {e_pack:.2e}")
         assert e_pack <= 1.1 * e_pad and dg < 2 * e_pad and max(rel.values()) < 2e-2
+
+
+@pytest.mark.parametrize("n,world,budget", [(8, 2, 12), (9, 3, 10), (5, 4, 30), (16, 3, 7)])
+def test_ranks_rebuild_the_single_workers_packed_batches(n, world, budget):
+    """Data-parallel no-grad passes with packing: each rank's share of whole batches, batched again by the rank
+    (longest first, cut by tokens), gives exactly the single worker's packed batches."""
+    from trainer.dp import DPGroup, share_batches
+
+    lengths = torch.randint(3, 8, (n,), generator=torch.Generator().manual_seed(n * 10 + world))
+    single = [b.tolist() for b in longest_first_batches(lengths, 4, max_tokens=budget)]
+    ranks = []
+    for rank in range(world):
+        mine = share_batches(lengths, 4, DPGroup(rank=rank, world=world), max_tokens=budget)
+        ranks += [mine[b].tolist() for b in longest_first_batches(lengths[mine], 4, max_tokens=budget)]
+    assert ranks == single
