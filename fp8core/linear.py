@@ -39,6 +39,7 @@ training see bit-identical forward numerics on the same backend.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -161,12 +162,27 @@ def _scaled_mm_rows(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: to
             # fresh standard strides: .contiguous() keeps odd strides on size-1 dims, which _scaled_mm rejects
             sa_c = sa.reshape(-1).clone(memory_format=torch.contiguous_format).reshape(-1, 1)
             sb_c = sb.reshape(-1).clone(memory_format=torch.contiguous_format).reshape(1, -1)
-            return torch._scaled_mm(a8, b8.t(), scale_a=sa_c, scale_b=sb_c, out_dtype=torch.float32)
+            return _scaled_mm(a8, b8.t(), scale_a=sa_c, scale_b=sb_c, out_dtype=torch.float32)
         except RuntimeError:  # e.g. CUDA row-scaled kernels that only emit BF16: scale in FP32 ourselves
             _ROWSCALED_FP32_UNSUPPORTED.add(dev)
     one = torch.ones((), dtype=torch.float32, device=a8.device)
-    raw = torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    raw = _scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
     return raw * sa.reshape(-1, 1) * sb.reshape(1, -1)
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:
+    """``torch._scaled_mm``. On a CPU whose kind is capped (FP8GRPO_CPU_CAP, fp8core.cpu): torch picks oneDNN's FP8
+    kernel from the hardware (AMX), but the cap limits oneDNN to the lower ISA, which has none ("could not create a
+    primitive descriptor"), so the call runs with oneDNN off -- torch's reference path, what a CPU of the capped kind
+    runs anyway."""
+    ctx = contextlib.nullcontext()
+    if a.device.type == "cpu":
+        from fp8core.cpu import cpu_caps
+
+        if cpu_caps().capped:
+            ctx = torch.backends.mkldnn.flags(enabled=False)
+    with ctx:
+        return torch._scaled_mm(a, b, **kw)
 
 
 def _fp8_mm_scaled(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
@@ -174,7 +190,7 @@ def _fp8_mm_scaled(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
     n = b.data.shape[0]
     if a.granularity == "tensorwise" and b.granularity == "tensorwise":
         kp, n_p = -(-k // 16) * 16, -(-n // 16) * 16
-        out = torch._scaled_mm(_pad_u8(a.data, m, kp), _pad_u8(b.data, n_p, kp).t(), scale_a=a.scale,
+        out = _scaled_mm(_pad_u8(a.data, m, kp), _pad_u8(b.data, n_p, kp).t(), scale_a=a.scale,
                                scale_b=b.scale, out_dtype=torch.float32)
         return out[:, :n]
     chunked = any(q.granularity in ("group128", "block128") for q in (a, b))
