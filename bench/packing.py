@@ -1,13 +1,14 @@
 """Sequence packing, measured: the trainer's step (PolicyWorker.train_step) with padded batches and with packed ones
 (policy.sequence_packing), side by side on the same rollouts.
 
-    .venv/bin/python -m bench.packing                        # the bench workload's model, 6 steps
-    .venv/bin/python -m bench.packing --quick --steps 3 --no-results-doc
+    .venv/bin/python -m bench.packing                        # the embedded default's task and warm start, 6 steps
+    .venv/bin/python -m bench.packing --task arithmetic --steps 3 --no-results-doc
 
-The rollouts come from the pipeline's own vLLM engine (RolloutWorker.generate) on the bench workload (bench.workload:
-16 prompts x 8 samples, up to 32 new tokens, 2 updates of 2 micro-batches per step) with ``--max-new-tokens``
-(default 128: response lengths spread as RL's do; the bench's 32 cuts most of them to one length), sampled once per
-step with the initial weights. Two trainers (padded, packed) each train on every step's rollouts, in alternating
+The rollouts come from the pipeline's own vLLM engine (RolloutWorker.generate) on the bench workload's batch
+(bench.workload: 16 prompts x 8 samples, 2 updates of 2 micro-batches per step) with the embedded ``--task``'s
+prompts and SFT warm start (``addition``, the default run's: scratchpad responses of spread lengths; ``arithmetic``,
+the bench's: ~20 tokens each) and up to ``--max-new-tokens`` (default 128), sampled once per step with the initial
+weights. Two trainers (padded, packed) each train on every step's rollouts, in alternating
 order; per step: train_step's wall time and ``train/padding_frac`` (the share of the positions the step's forwards
 computed that were padding). Medians over steps 2..N; the ratio packed / padded. Table, stamped:
 docs/results/packing.md."""
@@ -28,13 +29,26 @@ from tools.results import add_results_doc_args, results_doc, shown, stamp, write
 PACKED = "policy.sequence_packing.enabled=true"
 
 
-def measure(recipe: str, steps: int, max_new_tokens: int, quick: bool, overrides: list[str]) -> dict:
+def workload(task: str, max_new_tokens: int):
+    """The bench's batch on ``task``'s embedded assets (built when missing) and that task's reward."""
+    from bench.workload import Workload
+    from embedded.bootstrap import ensure_default_assets
+    from embedded.tasks import get_task
+
+    if task == "arithmetic":
+        return replace(default_workload(), max_new_tokens=max_new_tokens), reward
+    a = ensure_default_assets(ROOT / "runs" / "assets", task=task)
+    return Workload(model_dir=str(a["model_dir"]), train_path=str(a["train"]),
+                    max_new_tokens=max_new_tokens), get_task(task).reward
+
+
+def measure(recipe: str, steps: int, max_new_tokens: int, task: str, overrides: list[str]) -> dict:
     from bench.step import recipe_overrides
     from configs.schema import load_config
     from rollout.engine import RolloutWorker
     from trainer.policy import PolicyWorker
 
-    w = replace(default_workload(quick=quick), max_new_tokens=max_new_tokens)
+    w, score = workload(task, max_new_tokens)
     base = [*recipe_overrides(w), f"policy.max_total_sequence_length={max_new_tokens + 128}",
             f"policy.generation.vllm_cfg.max_model_len={max_new_tokens + 128}", *overrides]
     cfg = {name: load_config(ROOT / recipe, base + extra) for name, extra in (("padded", []), ("packed", [PACKED]))}
@@ -44,7 +58,7 @@ def measure(recipe: str, steps: int, max_new_tokens: int, quick: bool, overrides
     gen = cfg["padded"].policy.generation
     per_step = []
     try:
-        _steps(w, steps, engine, trainers, gen, per_step)
+        _steps(w, steps, engine, trainers, gen, per_step, task, score)
     finally:
         engine.shutdown()
     later = per_step[1:] or per_step
@@ -52,15 +66,16 @@ def measure(recipe: str, steps: int, max_new_tokens: int, quick: bool, overrides
     return {"recipe": recipe, "workload": w, "per_step": per_step, "median": med}
 
 
-def _steps(w, steps: int, engine, trainers: dict, gen, per_step: list) -> None:
+def _steps(w, steps: int, engine, trainers: dict, gen, per_step: list, task: str, score) -> None:
     from embedded.tiny_model import chat_prompt
 
     for step in range(1, steps + 1):
         rows = step_rows(w, step - 1)
-        prompts = [chat_prompt(trainers["padded"].tokenizer, r["question"]) for r in rows]
+        prompts = [chat_prompt(trainers["padded"].tokenizer, r["question"], task) for r in rows]
         outs = engine.generate(prompts, n=w.num_generations, max_tokens=gen.max_new_tokens,
                                temperature=gen.temperature, top_p=gen.top_p, seed=w.seed * 1_000_003 + step * 9973)
-        rewards = [reward(s["text"], r["answer"]) for r, o in zip(rows, outs, strict=True) for s in o["samples"]]
+        rewards = [float(score(s["text"], r["answer"])) for r, o in zip(rows, outs, strict=True)
+                   for s in o["samples"]]
         lengths = [len(s["token_ids"]) for o in outs for s in o["samples"]]
         row = {"step": step, "response_tokens_mean": statistics.mean(lengths), "response_tokens_max": max(lengths)}
         order = ("padded", "packed") if step % 2 else ("packed", "padded")
@@ -89,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipes", default="configs/tiny_bf16.yaml,configs/tiny_fp8_e2e.yaml")
     p.add_argument("--steps", type=int, default=6, help="steps per recipe (medians over steps 2..N)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--quick", action="store_true", help="the tests' quickly built SFT model")
+    p.add_argument("--task", choices=("addition", "arithmetic"), default="addition",
+                   help="the embedded task whose prompts and warm start the rollouts use")
     p.add_argument("overrides", nargs="*", help="recipe overrides (key=value) for both sides")
     add_results_doc_args(p, "packing")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -106,13 +122,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{r}: {str(e).splitlines()[0]}")
     import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads
     origin = stamp("bench.packing", argv)
-    results = [measure(r, a.steps, a.max_new_tokens, a.quick, a.overrides) for r in recipes]
+    results = [measure(r, a.steps, a.max_new_tokens, a.task, a.overrides) for r in recipes]
     out = table(results)
     print(out)
     doc = results_doc(a)
     if doc:
         w = results[0]["workload"]
-        details = [f"- workload: {w.num_prompts} prompts x {w.num_generations} samples, up to {w.max_new_tokens} new "
+        details = [f"- workload: embedded task `{a.task}`, {w.num_prompts} prompts x {w.num_generations} samples, up to "
+                   f"{w.max_new_tokens} new "
                    f"tokens, global batch {w.global_batch}, micro-batch {w.micro_batch} rows (packed: the same "
                    f"number of tokens), {a.steps} steps, medians of steps 2..{a.steps}; trainer only (train_step)"]
         print(f"results: {shown(write_result('packing', 'Sequence packing', out, origin, details=details, path=doc))}")

@@ -97,11 +97,52 @@ class Packed:
         lengths = b.attn.sum(1).tolist()
         self.position_ids = torch.cat([torch.arange(int(n)) for n in lengths])[None]
         self.starts = self.position_ids[0] == 0  # each sequence's first token: nothing before it predicts it
+        self.cu_seq_lens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    def attention_kwargs(self, device) -> dict:
+        """The sequences' bounds in the row, for use_packed_attention (flash-attention's argument names)."""
+        cu = self.cu_seq_lens.to(device)
+        longest = int((self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]).max())
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """``[1, T]`` (or ``[T]``) per packed token -> ``[B, L]``, zero on padding; differentiable."""
         out = packed.new_zeros(self.real.shape)
         return out.masked_scatter(self.real.to(packed.device), packed.reshape(-1))
+
+
+PACKED_ATTENTION = "fp8grpo_packed_sdpa"
+
+
+def use_packed_attention(model) -> bool:
+    """Give an SDPA model the attention of packed batches: with ``cu_seq_lens_q`` in the forward's arguments
+    (:meth:`Packed.attention_kwargs`) each sequence's queries attend causally to its own keys, one SDPA call per
+    sequence -- the work of the padded batch without its padding -- instead of one call over the whole row with a
+    block-diagonal mask, whose cost grows with the row's length squared (measured 3.3x the padded step's time on
+    rows of 32 sequences); other forwards run SDPA as before, with its masks. Returns False (nothing changed) for
+    a model whose attention is not SDPA: it then runs the packed row with transformers' block-diagonal mask."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if model.config._attn_implementation != "sdpa":
+        return False
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        cu = kwargs.pop("cu_seq_lens_q", None)
+        kwargs.pop("cu_seq_lens_k", None)
+        if cu is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        bounds = cu.tolist()
+        kwargs.pop("is_causal", None)
+        outs = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
+                                       is_causal=True, **kwargs)[0] for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+        return torch.cat(outs, dim=1), None  # [1, T, heads, head_dim], as SDPA returns it
+
+    AttentionInterface.register(PACKED_ATTENTION, attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(PACKED_ATTENTION)
+    return True
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float):

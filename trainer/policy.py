@@ -59,7 +59,7 @@ import torch
 from configs.schema import Config
 from fp8core.cpu import usable_threads
 from storage.hub import local_model_dir
-from trainer.batch import Batch, Packed, _pad_cols, by_length, token_logprobs
+from trainer.batch import Batch, Packed, _pad_cols, by_length, token_logprobs, use_packed_attention
 from trainer.dp import (
     DPGroup,
     all_min,
@@ -195,6 +195,7 @@ class PolicyWorker:
         sp, seq = p.sequence_packing, p.max_total_sequence_length
         self._train_tokens = (sp.train_mb_tokens or p.train_micro_batch_size * seq) if sp.enabled else None
         self._logprob_tokens = (sp.logprob_mb_tokens or p.logprob_batch_size * seq) if sp.enabled else None
+        self._packed_attention = bool(sp.enabled) and use_packed_attention(self.model)  # one SDPA per sequence
         self._positions = [0, 0]  # positions the forwards computed, real tokens among them (since train_step began)
         self.activation_checkpointing = bool(p.megatron_cfg.activation_checkpointing)
         if self.activation_checkpointing:
@@ -307,7 +308,8 @@ class PolicyWorker:
             inputs = {"input_ids": tokens, "attention_mask": b.attn.to(self.device)}
         else:  # no attention mask: the restarting position ids keep each sequence to itself
             tokens = packed.tokens.to(self.device)
-            inputs = {"input_ids": tokens, "position_ids": packed.position_ids.to(self.device)}
+            inputs = {"input_ids": tokens, "position_ids": packed.position_ids.to(self.device),
+                      **(packed.attention_kwargs(self.device) if self._packed_attention else {})}
         replay = None
         if self.router_replay and b.routing is not None:  # R3: the engine's experts for every token
             k = b.routing.shape[-1]

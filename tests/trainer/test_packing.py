@@ -76,6 +76,7 @@ def test_packed_logprobs_and_entropies_equal_the_padded_ones(model_dir, numerics
         pytest.skip("this CPU has no BF16 units")
     padded = PolicyWorker(model_dir, _cfg(**over))
     packed = PolicyWorker(model_dir, _cfg(**over, **PACKED))
+    assert packed._packed_attention and not padded._packed_attention  # one SDPA call per packed sequence
     ro = _rollouts(padded)
     b = Batch.from_rollouts(ro, pad_id=padded.tokenizer.pad_token_id)
     lp0, e0 = padded.logprobs(b, want_entropy=True)
@@ -140,3 +141,16 @@ def test_ranks_rebuild_the_single_workers_packed_batches(n, world, budget):
         mine = share_batches(lengths, 4, DPGroup(rank=rank, world=world), max_tokens=budget)
         ranks += [mine[b].tolist() for b in longest_first_batches(lengths[mine], 4, max_tokens=budget)]
     assert ranks == single
+
+
+def test_bench_table_and_bad_arguments(tmp_path, capsys):
+    from bench.packing import main, table
+
+    med = {"response_tokens_mean": 40.2, "response_tokens_max": 96, "padded_padding_frac": 0.42,
+           "packed_padding_frac": 0.0, "padded_s": 2.0, "packed_s": 1.5}
+    assert table([{"recipe": "configs/x.yaml", "median": med}]).splitlines()[2] == \
+        "| `configs/x.yaml` | 40 / 96 | 42.0% | 0.0% | 2.00 | 1.50 | 0.75x |"
+    for args, needle in [(["--steps", "0"], "--steps"), (["policy.no_such_key=1"], "policy.no_such_key")]:
+        with pytest.raises(SystemExit):
+            main([*args, "--no-results-doc"])
+        assert needle in capsys.readouterr().err
