@@ -42,7 +42,21 @@ def workload(task: str, max_new_tokens: int):
                     max_new_tokens=max_new_tokens), get_task(task).reward
 
 
-def measure(recipe: str, steps: int, max_new_tokens: int, task: str, overrides: list[str]) -> dict:
+def spread_lengths(outs: list[dict], seed: int) -> None:
+    """``--spread``: cut every response to a uniformly drawn 1..its length tokens (its logprobs with it), in place --
+    the long tail of lengths RL on reasoning models produces, which the embedded tasks' near-equal responses lack.
+    Synthetic: the trainer trains on the cut responses as given."""
+    import random
+
+    rng = random.Random(seed)
+    for o in outs:
+        for s in o["samples"]:
+            n = rng.randint(1, len(s["token_ids"])) if s["token_ids"] else 0
+            s["token_ids"], s["logprobs"] = s["token_ids"][:n], s["logprobs"][:n]
+
+
+def measure(recipe: str, steps: int, max_new_tokens: int, task: str, overrides: list[str],
+            spread: bool = False) -> dict:
     from bench.step import recipe_overrides
     from configs.schema import load_config
     from rollout.engine import RolloutWorker
@@ -58,7 +72,7 @@ def measure(recipe: str, steps: int, max_new_tokens: int, task: str, overrides: 
     gen = cfg["padded"].policy.generation
     per_step = []
     try:
-        _steps(w, steps, engine, trainers, gen, per_step, task, score)
+        _steps(w, steps, engine, trainers, gen, per_step, task, score, spread)
     finally:
         engine.shutdown()
     later = per_step[1:] or per_step
@@ -66,7 +80,7 @@ def measure(recipe: str, steps: int, max_new_tokens: int, task: str, overrides: 
     return {"recipe": recipe, "workload": w, "per_step": per_step, "median": med}
 
 
-def _steps(w, steps: int, engine, trainers: dict, gen, per_step: list, task: str, score) -> None:
+def _steps(w, steps: int, engine, trainers: dict, gen, per_step: list, task: str, score, spread: bool) -> None:
     from embedded.tiny_model import chat_prompt
 
     for step in range(1, steps + 1):
@@ -76,6 +90,8 @@ def _steps(w, steps: int, engine, trainers: dict, gen, per_step: list, task: str
                                temperature=gen.temperature, top_p=gen.top_p, seed=w.seed * 1_000_003 + step * 9973)
         rewards = [float(score(s["text"], r["answer"])) for r, o in zip(rows, outs, strict=True)
                    for s in o["samples"]]
+        if spread:
+            spread_lengths(outs, step)
         lengths = [len(s["token_ids"]) for o in outs for s in o["samples"]]
         row = {"step": step, "response_tokens_mean": statistics.mean(lengths), "response_tokens_max": max(lengths)}
         order = ("padded", "packed") if step % 2 else ("packed", "padded")
@@ -106,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--task", choices=("addition", "arithmetic"), default="addition",
                    help="the embedded task whose prompts and warm start the rollouts use")
+    p.add_argument("--spread", action="store_true",
+                   help="cut each response to a random length (synthetic: a long tail of lengths)")
     p.add_argument("overrides", nargs="*", help="recipe overrides (key=value) for both sides")
     add_results_doc_args(p, "packing")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -122,13 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{r}: {str(e).splitlines()[0]}")
     import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads
     origin = stamp("bench.packing", argv)
-    results = [measure(r, a.steps, a.max_new_tokens, a.task, a.overrides) for r in recipes]
+    results = [measure(r, a.steps, a.max_new_tokens, a.task, a.overrides, a.spread) for r in recipes]
     out = table(results)
     print(out)
     doc = results_doc(a)
     if doc:
         w = results[0]["workload"]
-        details = [f"- workload: embedded task `{a.task}`, {w.num_prompts} prompts x {w.num_generations} samples, up to "
+        details = [f"- workload: embedded task `{a.task}`{' (responses cut to random lengths: --spread)' if a.spread else ''}, {w.num_prompts} prompts x {w.num_generations} samples, up to "
                    f"{w.max_new_tokens} new "
                    f"tokens, global batch {w.global_batch}, micro-batch {w.micro_batch} rows (packed: the same "
                    f"number of tokens), {a.steps} steps, medians of steps 2..{a.steps}; trainer only (train_step)"]
