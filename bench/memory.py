@@ -61,7 +61,8 @@ def predicted(model_dir: Path, recipe: str, world: int, overrides: list[str], co
                         process_constant=constant)
 
 
-def fixed_rollouts(vocab_size: int, *, seed: int = 0) -> tuple[list[dict], list[float]]:
+def fixed_rollouts(vocab_size: int, *, seed: int = 0,
+                   response_len: int = RESPONSE_LEN) -> tuple[list[dict], list[float]]:
     """PROMPTS prompts x GENERATIONS samples of fixed lengths (random token ids, rollout logprobs -0.5) and rewards
     that alternate 1 / 0 in every group (every advantage non-zero: every row trains)."""
     import torch
@@ -72,7 +73,7 @@ def fixed_rollouts(vocab_size: int, *, seed: int = 0) -> tuple[list[dict], list[
         prompt = torch.randint(8, vocab_size, (PROMPT_LEN,), generator=g).tolist()
         samples = []
         for j in range(GENERATIONS):
-            ids = torch.randint(8, vocab_size, (RESPONSE_LEN,), generator=g).tolist()
+            ids = torch.randint(8, vocab_size, (response_len,), generator=g).tolist()
             samples.append({"token_ids": ids, "logprobs": [-0.5] * len(ids), "text": ""})
             rewards.append(float(j % 2))
         rollouts.append({"prompt_token_ids": prompt, "samples": samples})
@@ -91,7 +92,7 @@ def config(recipe: str, world: int, overrides: list[str]):
 
 
 def measure(model_dir: Path, recipe: str, world: int, steps: int, out: Path, overrides: list[str],
-            heap: str = "keep") -> dict:
+            heap: str = "keep", response_len: int = RESPONSE_LEN) -> dict:
     """One layout: M ranks, ``steps`` train steps; per rank the baseline RSS and each step's peak above it."""
     import ray
 
@@ -99,7 +100,7 @@ def measure(model_dir: Path, recipe: str, world: int, steps: int, out: Path, ove
 
     cfg = config(recipe, world, overrides)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    rollouts, rewards = fixed_rollouts(vocab)
+    rollouts, rewards = fixed_rollouts(vocab, response_len=response_len)
     tag = f"mem-{model_dir.name}-{world}-{int(time.time())}"
 
     names, handles = start_policy_workers(cfg, model_dir, out / tag, tag,
