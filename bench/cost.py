@@ -130,7 +130,7 @@ def tables(trainer: list[dict], full: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.memory import SIZES
+    from bench.memory import SIZES, parse_worlds
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, of {', '.join(SIZES)}")
@@ -147,12 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in sizes + full if s not in SIZES]
     if bad or not sizes:
         p.error(f"--sizes / --full-sizes: unknown {bad or a.sizes!r}; known: {', '.join(SIZES)}")
-    try:
-        worlds = [int(w) for w in a.worlds.split(",")]
-    except ValueError:
-        p.error(f"--worlds: {a.worlds!r} is not a comma-separated list of integers")
-    if any(w < 1 for w in worlds) or a.steps < 1:
-        p.error("--worlds: every number of ranks must be >= 1; --steps >= 1")
+    worlds = parse_worlds(p, a.worlds)
+    if a.steps < 1:
+        p.error(f"--steps: {a.steps} must be >= 1")
     import ray
 
     import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads

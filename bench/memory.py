@@ -175,6 +175,17 @@ NOTE = ("What is measured and how to read it: [performance](../performance.md#tr
         "`train_step` on fixed rollouts, no engine.")
 
 
+def parse_worlds(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """``--worlds``: comma-separated numbers of data-parallel ranks, each >= 1 (else the parser's one-line error)."""
+    try:
+        worlds = [int(w) for w in text.split(",")]
+    except ValueError:
+        parser.error(f"--worlds: {text!r} is not a comma-separated list of integers")
+    if any(w < 1 for w in worlds):
+        parser.error(f"--worlds: {text!r}: every number of ranks must be >= 1")
+    return worlds
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, of {', '.join(SIZES)}")
@@ -193,12 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in sizes if s not in SIZES]
     if bad or not sizes:
         p.error(f"--sizes: unknown {bad or a.sizes!r}; known: {', '.join(SIZES)}")
-    try:
-        worlds = [int(w) for w in a.worlds.split(",")]
-    except ValueError:
-        p.error(f"--worlds: {a.worlds!r} is not a comma-separated list of integers")
-    if any(w < 1 for w in worlds):
-        p.error(f"--worlds: {a.worlds!r}: every number of ranks must be >= 1")
+    worlds = parse_worlds(p, a.worlds)
     if a.steps < 1:
         p.error(f"--steps: {a.steps} must be >= 1")
     import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads
