@@ -191,11 +191,11 @@ class PolicyWorker:
         # under the contexts their forward ran under (_forward_contexts); before sharding (trainer.dp)
         self._recompute = None  # during a forward: () -> its contexts, once more (_token_logp)
         # policy.sequence_packing: batches of several rows run packed (_token_logp), cut by tokens
-        self.packing = p.sequence_packing
         sp, seq = p.sequence_packing, p.max_total_sequence_length
+        self._packing = bool(sp.enabled)
         self._train_tokens = (sp.train_mb_tokens or p.train_micro_batch_size * seq) if sp.enabled else None
         self._logprob_tokens = (sp.logprob_mb_tokens or p.logprob_batch_size * seq) if sp.enabled else None
-        self._packed_attention = bool(sp.enabled) and use_packed_attention(self.model)  # one SDPA per sequence
+        self._packed_attention = self._packing and use_packed_attention(self.model)  # one SDPA per sequence
         self._positions = [0, 0]  # positions the forwards computed, real tokens among them (since train_step began)
         self.activation_checkpointing = bool(p.megatron_cfg.activation_checkpointing)
         if self.activation_checkpointing:
@@ -300,7 +300,7 @@ class PolicyWorker:
         """Forward one micro-batch; returns (logp [B, L] aligned to tokens, entropy [B, L] or None). With sequence
         packing (policy.sequence_packing.enabled) a batch of several rows runs as one row of its real tokens
         (trainer.batch.Packed), its results unpacked to the padded layout."""
-        packed = Packed(b) if self.packing.enabled and len(b) > 1 else None
+        packed = Packed(b) if self._packing and len(b) > 1 else None
         self._positions[0] += b.tokens.numel() if packed is None else packed.tokens.numel()  # computed positions
         self._positions[1] += int(b.attn.sum())  # of them real tokens: train/padding_frac
         if packed is None:
@@ -377,14 +377,15 @@ class PolicyWorker:
         forward ran the batch packed (its tokens are all real)."""
         from fp8core.moe import routers
 
-        real = b.attn.reshape(-1).bool() if packed is None else torch.ones(int(b.attn.sum()), dtype=torch.bool)
+        real = b.attn.reshape(-1).bool()
+        ran = real if packed is None else slice(None)  # the forward's tokens that are real: all of a packed row's
         acc = self._moe_acc
         for j, (_, r) in enumerate(routers(self.model)):
-            used = r.last_ids.cpu()[real]
+            used = r.last_ids.cpu()[ran]
             acc["counts"][j] += torch.bincount(used.reshape(-1), minlength=r.num_experts).double()
             if b.routing is not None:
-                own = r.last_own_ids.cpu()[real].sort(-1).values
-                eng = b.routing[:, :, j].reshape(-1, b.routing.shape[-1])[b.attn.reshape(-1).bool()].sort(-1).values
+                own = r.last_own_ids.cpu()[ran].sort(-1).values
+                eng = b.routing[:, :, j].reshape(-1, b.routing.shape[-1])[real].sort(-1).values
                 acc["mismatch"] += int((own != eng).any(-1).sum())
                 acc["tokens"] += int(real.sum())
 
