@@ -34,13 +34,16 @@ def flow_overrides(w: Workload, run_dir: Path, steps: int, uri: str) -> list[str
             f"logger.mlflow.tracking_uri={uri}"]
 
 
-def run_flow(recipe: str, w: Workload, *, steps: int = 4) -> dict:
+def run_flow(recipe: str, w: Workload, *, steps: int = 4, overrides: tuple[str, ...] = (), label: str = "") -> dict:
+    """Run the flow on ``recipe`` + the bench workload (+ ``overrides``) in a subprocess; the figures above, the
+    summary's ``step_interval_s`` / ``mean_step_s`` and the MLflow run id. ``label`` names the run dir."""
     from mlflow.tracking import MlflowClient
 
-    name = Path(recipe).stem
+    name = Path(recipe).stem + (f"-{label}" if label else "")
     run_dir = ROOT / "runs" / "bench" / f"flow-{name}"
     uri = f"sqlite:///{ROOT / 'runs' / 'bench' / 'flow-mlflow.db'}"
-    cmd = [sys.executable, "-m", "flows.grpo", str(ROOT / recipe), *flow_overrides(w, run_dir, steps, uri)]
+    cmd = [sys.executable, "-m", "flows.grpo", str(ROOT / recipe), *flow_overrides(w, run_dir, steps, uri),
+           *overrides]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",  # loaded machines
@@ -73,6 +76,11 @@ def run_flow(recipe: str, w: Workload, *, steps: int = 4) -> dict:
             "share_refit_kv": median_tail("time/share_refit_kv"), "step_s": median_tail("time/step_s"),
             "workers_up_s": workers_up,
             "time_to_first_step_s": None if first_step_at is None else first_step_at - step1,
+            "step_interval_s": summary.get("step_interval_s"), "mean_step_s": summary.get("mean_step_s"),
+            # asynchronous: the share of each train task with a rollout in flight, median over the steps that
+            # generated one ahead (all but the last)
+            "train_overlap_frac": statistics.median(series("async/train_overlap_frac")[:-1] or [0.0]),
+            "rollout_hidden_frac": statistics.median(series("async/rollout_hidden_frac")[:-1] or [0.0]),
             "mlflow_run_id": summary["mlflow_run_id"]}
 
 

@@ -237,9 +237,10 @@ def _policy_actor_class():
 
     class PolicyActor(PolicyWorker):
         def __init__(self, *args, **kwargs):
-            from fp8core.cpu import apply_cpu_cap
+            from fp8core.cpu import apply_cpu_cap, apply_cpu_pin
 
             apply_cpu_cap()
+            apply_cpu_pin()  # cluster.pin_cpus: this rank's own cores, before torch starts its threads
             super().__init__(*args, **kwargs)
 
         def cpu(self) -> dict:
@@ -249,6 +250,35 @@ def _policy_actor_class():
 
     PolicyActor.__name__ = PolicyActor.__qualname__ = "PolicyWorker"
     return PolicyActor
+
+
+def cpu_pins(cfg: Config) -> list[list[int]] | None:
+    """``cluster.pin_cpus``: each worker's own CPUs on this node, trainer ranks first (``policy.threads`` each), then
+    the engines (``vllm_cfg.threads`` each), in the order of this process's affinity mask; None when off. Raises
+    ConfigError, before any worker starts, when the node has fewer CPUs than the workers' threads."""
+    from configs.schema import ConfigError
+
+    if not cfg.cluster.pin_cpus:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    sizes = ([cfg.policy.threads] * cfg.cluster.policy_workers
+             + [cfg.policy.generation.vllm_cfg.threads] * cfg.cluster.rollout_workers)
+    if sum(sizes) > len(cpus):
+        raise ConfigError(f"cluster.pin_cpus: the workers' threads ({' + '.join(map(str, sizes))} = {sum(sizes)}: "
+                          f"policy.threads per trainer, policy.generation.vllm_cfg.threads per engine) exceed the "
+                          f"{len(cpus)} CPUs this node lets the run use; lower the threads or turn pinning off")
+    out, at = [], 0
+    for n in sizes:
+        out.append(cpus[at:at + n])
+        at += n
+    return out
+
+
+def pin_env(pins: list[list[int]] | None, i: int) -> dict[str, str]:
+    """Worker ``i``'s FP8GRPO_CPUS (fp8core.cpu.apply_cpu_pin), or nothing without pinning."""
+    from fp8core.cpu import PIN_ENV
+
+    return {} if pins is None else {PIN_ENV: ",".join(map(str, pins[i]))}
 
 
 def start_policy_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str, *, env: dict | None = None,
@@ -268,8 +298,10 @@ def start_policy_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag:
     if m > 1:
         init = get(ray.remote(free_endpoint).options(num_cpus=0, **place(0)).remote())
     names = tuple(f"fp8grpo-policy-{tag}" if r == 0 else f"fp8grpo-policy-{tag}-{r}" for r in range(m))
+    pins = cpu_pins(cfg)
     handles = tuple(ray.remote(_policy_actor_class()).options(
-        name=names[r], num_cpus=pw.num_cpus, num_gpus=pw.num_gpus, runtime_env={"env_vars": dict(env or {})},
+        name=names[r], num_cpus=pw.num_cpus, num_gpus=pw.num_gpus,
+        runtime_env={"env_vars": {**(env or {}), **pin_env(pins, r)}},
         max_concurrency=1, **place(r)).remote(
             str(model_dir), cfg, run_dir=str(run_dir),
             dp=DPGroup(r, m, init, cfg.cluster.collective_timeout_s) if m > 1 else None) for r in range(m))
@@ -493,8 +525,10 @@ def start_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str) -
 
     policy_names, policies = start_policy_workers(cfg, model_dir, run_dir, tag, env=env_p, scheduling=in_bundle)
     names = tuple(f"fp8grpo-rollout-{tag}-{k}" for k in range(n))
+    pins = cpu_pins(cfg)
     rollouts = tuple(ray.remote(RolloutWorker).options(
-        name=names[k], num_cpus=rw.num_cpus, num_gpus=rw.num_gpus, runtime_env={"env_vars": env_r},
+        name=names[k], num_cpus=rw.num_cpus, num_gpus=rw.num_gpus,
+        runtime_env={"env_vars": {**env_r, **pin_env(pins, cfg.cluster.policy_workers + k)}},
         # a dead engine is restarted in its bundle (a fresh engine on model_dir's weights: the step it broke
         # refits it again, see flows/rl_step.py); calls in flight when it died fail instead of re-running
         max_restarts=cfg.cluster.rollout_max_restarts, max_task_retries=0,

@@ -150,7 +150,7 @@ def _open_run(config_path: str, overrides: list[str] | None) -> _Run:
     """Load + validate the recipe (bad keys/types/combinations fail here), make the run dir (the run's environment,
     Ray token auth, config.resolved.yaml), check the evaluation-set paths and print the recipe and CPU lines."""
     from cluster.env import apply_env
-    from cluster.runtime import ray_auth
+    from cluster.runtime import cpu_pins, ray_auth
     from data.eval_sets import check_eval_paths
     from fp8core.cpu import cpu_caps, describe
 
@@ -161,6 +161,7 @@ def _open_run(config_path: str, overrides: list[str] | None) -> _Run:
     run_dir.mkdir(parents=True, exist_ok=True)
     apply_env(run_dir, allow_downloads=cfg.hub.allow_downloads)
     run.auth = ray_auth(cfg, run_dir)  # Ray token auth (a bad ray.auth_token_path fails here, before any work)
+    cpu_pins(cfg)  # cluster.pin_cpus: more worker threads than this machine's CPUs fails here
     (run_dir / "config.resolved.yaml").write_text(to_yaml(cfg))
     _say(f"fp8-grpo: recipe {cfg.recipe} ({cfg.precision_tag}), run dir {run_dir}")
     check_eval_paths(cfg)  # a local evaluation-set file that is missing fails before the assets are built
@@ -243,6 +244,13 @@ def _open_mlflow_run(run: _Run) -> None:
         run.run_id = start_run(cfg, run.uri, run_id=(run.resume_state or {}).get("mlflow_run_id"),
                                extra_params={**run.caps.as_params(), **pinned})
         log_text(run.uri, run.run_id, to_yaml(cfg), "config.resolved.yaml")
+        if run.resume_state is not None:
+            from tasks.tracking import mark_replayed
+
+            replayed = mark_replayed(run.uri, run.run_id, run.start_step)
+            if replayed:
+                _say(f"resume: steps {replayed[0]}-{replayed[-1]} were logged by the stopped run after its last "
+                     "checkpoint; they run again and keep their first values in MLflow (each step once)")
 
 
 def _start_workers(run: _Run) -> None:
@@ -306,16 +314,24 @@ def _train(run: _Run) -> None:
     from tasks.checkpoint import save_checkpoint
 
     cfg, ck_cfg = run.cfg, run.cfg.checkpointing
+    ag = cfg.grpo.async_grpo
     skipped_before = 0.0
+    aheads: dict = {}  # asynchronous: step -> its rollout generated ahead (flows/rl_step.py); lost on a stop, by design
+
+    def rows_of(t: int) -> list[dict]:
+        return run.data.train_rows(t - 1, cfg.grpo.num_prompts_per_step)
+
     for step in range(run.start_step + 1, cfg.grpo.max_num_steps + 1):
-        rows = run.data.train_rows(step - 1, cfg.grpo.num_prompts_per_step)
+        ahead_steps = range(step + 1, min(step + ag.max_trajectory_age_steps, cfg.grpo.max_num_steps) + 1)
+        next_rows = {t: rows_of(t) for t in ahead_steps if t not in aheads} if ag.enabled else None
         try:
-            m, run.kv_scales = rl_step(run.ctx, rows, step, run.kv_scales)
+            m, run.kv_scales, aheads = rl_step(run.ctx, rows_of(step), step, run.kv_scales, aheads, next_rows)
         except Exception as e:  # a dead trainer rank (any error: probe them): stop now with what to do, no traceback
             lost = lost_trainers(e, run.ctx.trainers)
             if not lost:
                 raise
             raise _worker_lost(run, lost, step, e) from e
+        m["time/step_end_unix"] = time.time()  # summary.json's step_interval_s (not logged: the subflow logged m)
         run.history.append(m)
         last = step == cfg.grpo.max_num_steps
         if (cfg.grpo.val_period and step % cfg.grpo.val_period == 0) or last:
@@ -444,10 +460,18 @@ def _summary(cfg, history, val_acc, start_step, last_ck, uri, run_id, wall) -> d
             "val_accuracy_end": val_acc[steps[-1]] if steps else None, "val_accuracy": val_acc,
             "reward_mean": mean("reward/mean"),
             "mean_token_mult_prob_error": mean("mismatch/token_mult_prob_error"),
-            "mean_step_s": mean("time/step_s"), "mean_time_split_s": split,
+            "mean_step_s": mean("time/step_s"), "step_interval_s": step_interval(history),
+            "mean_time_split_s": split,
             "mean_rollout_tokens_per_s": mean("throughput/rollout_tokens_per_s"),
             "mean_train_tokens_per_s": mean("throughput/train_tokens_per_s"),
             "checkpoint": last_ck, "mlflow_tracking_uri": uri, "mlflow_run_id": run_id, "wall_s": wall}
+
+
+def step_interval(history: list[dict]) -> float | None:
+    """Mean wall time between consecutive step completions over the run's steps 2..N (the same definition
+    synchronous and asynchronous; validation between steps counts): None with fewer than two steps."""
+    ends = [m["time/step_end_unix"] for m in history if "time/step_end_unix" in m]
+    return (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else None
 
 
 def _val_lines(step: int, cfg: Config, m: dict, names: list[str]) -> str:
@@ -533,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             ray_auth(cfg, Path(cfg.run_dir))
         # A fresh process: the driver (bootstrap SFT, data) follows FP8GRPO_CPU_CAP too. The flow function itself
         # does not patch its process (it may be a long-lived one); the actors always apply the cap themselves.
+        from cluster.runtime import cpu_pins
+
+        cpu_pins(cfg)  # cluster.pin_cpus on too few CPUs
         apply_cpu_cap()
     except (ConfigError, ValueError) as e:
         if debug:

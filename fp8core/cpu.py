@@ -320,6 +320,26 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+PIN_ENV = "FP8GRPO_CPUS"  # comma-separated CPU ids a worker process pins itself to (cluster.pin_cpus sets it)
+
+
+def apply_cpu_pin() -> list[int] | None:
+    """Pin every thread of this process (and so the threads it starts later) to the CPUs in ``$FP8GRPO_CPUS``
+    (``cluster.pin_cpus``: each worker its own cores). Returns the CPUs, or None when the variable is unset."""
+    value = os.environ.get(PIN_ENV, "").strip()
+    if not value:
+        return None
+    cpus = sorted({int(v) for v in value.split(",")})
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    for tid in tids:  # sched_setaffinity(pid) sets one thread: each existing one, then this one last
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    os.sched_setaffinity(0, cpus)
+    return cpus
+
+
 def usable_threads(requested: int) -> int:
     """``requested`` compute threads (``policy.threads``, ``policy.generation.vllm_cfg.threads``), at most one per
     usable CPU. More OpenMP threads than CPUs only lose: each parallel region ends at a barrier where the early

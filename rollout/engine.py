@@ -207,6 +207,9 @@ class RolloutWorker:
         ``calibration.kv_scales_period``."""
         if not isinstance(cfg, Config):
             raise ValueError(f"cfg must be a configs.schema.Config, got {type(cfg).__name__}")
+        from fp8core.cpu import apply_cpu_pin
+
+        apply_cpu_pin()  # cluster.pin_cpus: this engine's own cores, before vLLM starts its threads
         self.model_dir = local_model_dir(model_dir)  # a directory, or ORG/NAME@<commit> in this node's HF cache
         self.cfg = cfg
         self.vllm = cfg.policy.generation.vllm_cfg

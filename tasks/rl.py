@@ -59,8 +59,9 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     consecutive ranges, one per engine, generated concurrently and gathered in prompt order into one object in
     Ray's object store (on the first engine; with one engine its own result). Per-prompt seeds do not depend on the
     split. ``weights_version``: the policy step the refit loaded; an engine holding other weights refuses.
-    Returns the Ray ref of the rollouts and throughput metrics."""
-    t0 = time.perf_counter()
+    Returns the Ray ref of the rollouts and throughput metrics (and the wall-clock span of the task,
+    ``time/rollout_start_unix`` / ``_end_unix``, which the step uses to measure its overlap with training)."""
+    t0, start_unix = time.perf_counter(), time.time()
     g = ctx.gen
     prompts = prompts_for(ctx, rows)
     seed = ctx.seed * 1_000_003 + step * 9973  # prompt i gets seed + i * n on whichever engine runs it
@@ -83,7 +84,8 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     extra = {"time/rollout_routing_s": max(routing_s)} if all(x is not None for x in routing_s) else {}
     return ref, {**extra, "time/rollout_s": wall, "throughput/rollout_tokens_per_s": tokens / wall,
                  "rollout/generated_tokens": float(tokens), "rollout/engines": float(len(engines)),
-                 "time/rollout_engine_max_s": max(gen_s), "time/rollout_engine_min_s": min(gen_s)}
+                 "time/rollout_engine_max_s": max(gen_s), "time/rollout_engine_min_s": min(gen_s),
+                 "time/rollout_start_unix": start_unix, "time/rollout_end_unix": time.time()}
 
 
 def _verify(row: dict, text: str) -> tuple[bool, bool]:

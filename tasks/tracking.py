@@ -154,8 +154,26 @@ Where to look (Model metrics tab; type a prefix in its search box):
 """
 
 
+_REPLAYED: dict[str, set[tuple[str, int]]] = {}  # run id -> (key, step) already in its history when it resumed
+
+
+def mark_replayed(uri: str | None, run_id: str | None, after_step: int) -> list[int]:
+    """A resumed run replays the steps after its checkpoint, whose metrics the stopped run had logged already: record
+    those (key, step) pairs so that :func:`log_metrics` (in this process) writes each step once -- MLflow cannot
+    delete a metric point, so the history keeps the first run's values of a replayed step (the same rollouts, seeds
+    and weights). Returns the replayed steps found."""
+    if not run_id:
+        return []
+    c = client(uri)
+    pairs = {(key, p.step) for key in c.get_run(run_id).data.metrics
+             for p in c.get_metric_history(run_id, key) if p.step > after_step}
+    _REPLAYED[run_id] = pairs
+    return sorted({step for _, step in pairs})
+
+
 def log_metrics(uri: str | None, run_id: str | None, metrics: Mapping[str, float], step: int) -> None:
-    """Log finite numeric metrics at ``step`` (one batch request)."""
+    """Log finite numeric metrics at ``step`` (one batch request); after a resume, not those the stopped run logged
+    at that step already (:func:`mark_replayed`)."""
     if not run_id:
         return
     import time
@@ -163,8 +181,10 @@ def log_metrics(uri: str | None, run_id: str | None, metrics: Mapping[str, float
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
+    seen = _REPLAYED.get(run_id, ())
     items = [Metric(k, float(v), now, step) for k, v in metrics.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+             and (k, step) not in seen]
     c = client(uri)
     for i in range(0, len(items), 500):
         c.log_batch(run_id, metrics=items[i:i + 500])

@@ -89,6 +89,9 @@ READERS = {
     "grpo.max_val_samples": ("flows/grpo.py", "cfg.grpo.max_val_samples"),
     "grpo.val_batch_size": ("tasks/context.py", "cfg.grpo.val_batch_size"),
     "grpo.seed": ("flows/grpo.py", "cfg.grpo.seed"),
+    "cluster.pin_cpus": ("cluster/runtime.py", "cfg.cluster.pin_cpus"),
+    "grpo.async_grpo.enabled": ("flows/grpo.py", "if ag.enabled"),
+    "grpo.async_grpo.max_trajectory_age_steps": ("flows/grpo.py", "ag.max_trajectory_age_steps"),
     "calibration.kv_scales_period": ("tasks/context.py", "cal.kv_scales_period"),
     "calibration.kv_calibration_samples": ("tasks/context.py", "cal.kv_calibration_samples"),
     "calibration.kv_rounding_in_trainer": ("trainer/policy.py", "cal.kv_rounding_in_trainer"),
@@ -191,6 +194,12 @@ REJECTED = [
     ("testing.fault_kill_policy_at_step=-1", "testing.fault_kill_policy_at_step"),
     ("cluster.placement_strategy=RANDOM", "cluster.placement_strategy"),
     ("ray.rollout_worker.num_cpus=0", "ray.rollout_worker.num_cpus"),
+    ("grpo.async_grpo.max_trajectory_age_steps=0", "grpo.async_grpo.max_trajectory_age_steps"),
+    ("grpo.async_grpo.enabled=true,loss_fn.use_importance_sampling_correction=false",
+     "loss_fn.use_importance_sampling_correction"),
+    ("grpo.async_grpo.enabled=true,loss_fn.old_logprobs=rollout,loss_fn.use_importance_sampling_correction=false",
+     "loss_fn.old_logprobs"),
+    ("cluster.pin_cpus=true,ray.address=auto", "cluster.pin_cpus"),
 ]
 
 
