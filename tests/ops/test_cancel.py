@@ -36,14 +36,14 @@ def _cmdline(pid: int, limit: int | None = 120) -> str:
         return "?"
 
 
-def _start(tmp_path: Path, mark: str) -> tuple[subprocess.Popen, Path, Path, object]:
+def _start(tmp_path: Path, mark: str, *extra: str) -> tuple[subprocess.Popen, Path, Path, object]:
     run_dir = tmp_path / "run"
     env = {**os.environ, MARK: mark, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)  # the run's own temporary Prefect server
     log_path = tmp_path / "run.log"
     log = open(log_path, "w")  # noqa: SIM115
     cmd = [sys.executable, "-m", "flows.grpo", "configs/tiny_fp8_e2e.yaml", *LONG, f"run_dir={run_dir}",
-           f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+           f"logger.mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, run_dir, log_path, log
 
@@ -60,11 +60,13 @@ def _gone_within(mark: str, seconds: float) -> tuple[float, list[str]]:
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sigterm_stops_the_run_within_30s_with_nothing_left(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_stops_the_run_within_30s_with_nothing_left(tmp_path, mode):
+    """Asynchronous too: from step 2 on a rollout for the next step is in flight while the step trains."""
     from mlflow.tracking import MlflowClient
 
     mark = uuid.uuid4().hex
-    proc, run_dir, log_path, log = _start(tmp_path, mark)
+    proc, run_dir, log_path, log = _start(tmp_path, mark, f"grpo.async_grpo.enabled={mode == 'async'}")
     ck = run_dir / "checkpoints"
     try:
         wait_for(lambda: (ck / "step_000001" / MANIFEST).exists() or proc.poll() is not None, 600,
