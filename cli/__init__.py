@@ -1,0 +1,1 @@
+"""The ``fp8-grpo`` command line (cli/main.py)."""
