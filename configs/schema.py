@@ -212,6 +212,9 @@ class LossFnCfg:
     # (the behaviour policy, as asynchronous GRPO uses): the ratio then carries the train/inference mismatch, and the
     # clip is its only importance-sampling correction (use_importance_sampling_correction must be false)
     old_logprobs: Literal["trainer", "rollout"] = "trainer"
+    # GSPO (NeMo RL's key): one ratio per sequence, exp of the mean log-ratio over its tokens, clipped by
+    # ratio_clip_min / _max (GSPO uses ~3e-4 / 4e-4); needs token_level_loss: false (sequence-mean aggregation)
+    sequence_level_importance_ratios: bool = False
 
 
 @dataclass(frozen=True)
@@ -613,6 +616,12 @@ def _validate_loss(c: Config):
            "must be false with loss_fn.old_logprobs=rollout: the ratio pi_theta / pi_rollout already is the "
            "importance weight against the rollout engine (its clip truncates it); a second weight would count the "
            "mismatch twice")
+    if lf.sequence_level_importance_ratios:
+        _check(not lf.token_level_loss, "loss_fn.token_level_loss",
+               "must be false with loss_fn.sequence_level_importance_ratios (GSPO averages each sequence's tokens, "
+               "then the sequences)")
+        _check(not c.calibration.calibrated_clipping, "calibration.calibrated_clipping",
+               "matches token-level clip fractions; GSPO clips whole sequences: turn one of them off")
     ag = c.grpo.async_grpo
     _check(ag.max_trajectory_age_steps >= 1, "grpo.async_grpo.max_trajectory_age_steps",
            f"must be >= 1 (steps of rollouts generated ahead of training), got {ag.max_trajectory_age_steps}")

@@ -608,6 +608,7 @@ class PolicyWorker:
         lf, b, adv = self.cfg.loss_fn, st.b, st.adv
         mbs = self.cfg.policy.train_micro_batch_size
         agg = "token_mean" if lf.token_level_loss else "seq_mean_token_mean"
+        level = "sequence" if lf.sequence_level_importance_ratios else "token"  # GSPO: one ratio per sequence
         gm = b.mask[gidx]
         normalizer = float(gm.sum().clamp_min(1)) if lf.token_level_loss else float((gm.sum(1) > 0).sum())
         self.optimizer.zero_grad(set_to_none=True)
@@ -644,7 +645,7 @@ class PolicyWorker:
                                                                 **st.is_kw)[0], b.width)
             loss, lm = clipped_pg_loss(
                 logp, st.ref_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
-                clip_low=st.clip_low, clip_high=st.clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg,
+                clip_low=st.clip_low, clip_high=st.clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg, ratio_level=level,
                 is_weights=None if st.is_w is None else st.is_w[idx, :w].to(logp.device), normalizer=normalizer)
             if not torch.isfinite(loss):
                 finite = False

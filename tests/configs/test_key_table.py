@@ -90,6 +90,7 @@ READERS = {
     "grpo.val_batch_size": ("tasks/context.py", "cfg.grpo.val_batch_size"),
     "grpo.seed": ("flows/grpo.py", "cfg.grpo.seed"),
     "cluster.pin_cpus": ("cluster/runtime.py", "cfg.cluster.pin_cpus"),
+    "loss_fn.sequence_level_importance_ratios": ("trainer/policy.py", "lf.sequence_level_importance_ratios"),
     "grpo.async_grpo.enabled": ("flows/grpo.py", "if ag.enabled"),
     "grpo.async_grpo.max_trajectory_age_steps": ("flows/grpo.py", "ag.max_trajectory_age_steps"),
     "calibration.kv_scales_period": ("tasks/context.py", "cal.kv_scales_period"),
@@ -200,6 +201,7 @@ REJECTED = [
     ("grpo.async_grpo.enabled=true,loss_fn.old_logprobs=rollout,loss_fn.use_importance_sampling_correction=false",
      "loss_fn.old_logprobs"),
     ("cluster.pin_cpus=true,ray.address=auto", "cluster.pin_cpus"),
+    ("loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss"),
 ]
 
 

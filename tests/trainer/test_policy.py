@@ -456,3 +456,28 @@ def test_activation_checkpointing_recomputes_under_the_routing_replay():
         for k in a:
             assert torch.equal(a[k], b[k]), (u, k)
     assert m_on["loss/total"] == m_off["loss/total"]
+
+
+def test_gspo_clips_one_ratio_per_sequence(model_dir):
+    """loss_fn.sequence_level_importance_ratios (GSPO): an engine that scores only each response's first token 0.5
+    nats higher gives, against it (old_logprobs: rollout), one ratio per sequence, exp(-0.5 / its length) -- the
+    largest for the longest response -- where the token-level ratio is e^-0.5 on first tokens and 1 elsewhere."""
+    import math
+
+    over = {"policy.precision": "float32", "policy.train_global_batch_size": 8, "policy.train_micro_batch_size": 4,
+            "loss_fn.old_logprobs": "rollout", "loss_fn.token_level_loss": "false"}
+    for gspo in (True, False):
+        w = PolicyWorker(model_dir, _cfg(**over, **{"loss_fn.sequence_level_importance_ratios": str(gspo).lower()}))
+        ro = _rollouts(w)
+        for r in ro:
+            for s in r["samples"]:
+                s["logprobs"] = [s["logprobs"][0] + 0.5, *s["logprobs"][1:]]
+        lengths = [len(s["token_ids"]) for r in ro for s in r["samples"]]
+        m = w.train_step(ro, [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0], step=1)
+        assert m["train/optimizer_updates"] == 1
+        if gspo:
+            assert m["clip/ratio_max"] == pytest.approx(math.exp(-0.5 / max(lengths)), rel=1e-4)
+            assert m["clip/ratio_min"] == pytest.approx(math.exp(-0.5 / min(lengths)), rel=1e-4)
+        else:
+            assert m["clip/ratio_max"] == pytest.approx(1.0, abs=1e-6)
+            assert m["clip/ratio_min"] == pytest.approx(math.exp(-0.5), rel=1e-4)
