@@ -411,6 +411,7 @@ def _finish(run: _Run) -> dict:
         summary.update(mlflow_experiment_id=exp, mlflow_ui_url=ui_url(uri, exp, run_id),
                        mlflow_ui_command=ui_hint(uri))
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    _publish_artifact(run, summary)
     if uri and run_id:
         if run.val_acc:
             log_metrics(uri, run_id, {"summary/val_accuracy_start": summary["val_accuracy_start"] or 0.0,
@@ -420,6 +421,50 @@ def _finish(run: _Run) -> dict:
                         cfg.grpo.max_num_steps)
         finish_run(uri, run_id, status=run.status, summary=summary, plot_keys=PLOT_KEYS if cfg.logger.plot else [])
     return summary
+
+
+def run_report(cfg: Config, s: dict, val_metrics: dict[int, dict]) -> str:
+    """The run's answer in markdown (the Prefect artifact): recipe, CPU kind, steps, validation accuracy start -> end
+    with 95% CIs, the mean mismatch, the step-time split and where the MLflow run is."""
+    def acc(step):
+        m = val_metrics.get(step, {})
+        if "val/accuracy" not in m:
+            return "-"
+        return f"{m['val/accuracy']:.3f} [{m['val/accuracy_lo']:.3f}, {m['val/accuracy_hi']:.3f}]"
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    steps = sorted(val_metrics)
+    split = ", ".join(f"{k} {v:.2f}" for k, v in (s.get("mean_time_split_s") or {}).items() if v is not None)
+    mode = (f"asynchronous (max trajectory age {cfg.grpo.async_grpo.max_trajectory_age_steps})"
+            if cfg.grpo.async_grpo.enabled else "synchronous")
+    rows = [("recipe", f"`{cfg.recipe}` ({s['precision']}), {mode}"),
+            ("CPU kind", f"{s.get('cpu_kind', '-')} (rollout {s.get('cpu_rollout_kind', '-')})"),
+            ("steps", f"{s['first_step']}-{s['last_step']} ({s['steps_run']} run) of {cfg.grpo.max_num_steps}"),
+            ("validation accuracy (greedy, 95% CI)",
+             f"{acc(steps[0])} (step {steps[0]}) -> {acc(steps[-1])} (step {steps[-1]})" if steps else "-"),
+            ("mean token-mult-prob-error", num(s.get("mean_token_mult_prob_error"), ".4f")),
+            ("mean step / step interval (s)", f"{num(s.get('mean_step_s'), '.2f')} / "
+                                              f"{num(s.get('step_interval_s'), '.2f')}"),
+            ("mean step split (s)", split or "-"),
+            ("MLflow", s.get("mlflow_ui_url") or s.get("mlflow_run_id") or "off"),
+            ("checkpoint", s.get("checkpoint") or "-")]
+    return "\n".join([f"# fp8-grpo run: {cfg.recipe}", "", "| | |", "|---|---|",
+                      *(f"| {k} | {v} |" for k, v in rows)])
+
+
+def _publish_artifact(run: _Run, summary: dict) -> None:
+    """The run's report as a Prefect markdown artifact of this flow run (the Prefect UI's Artifacts tab); a
+    Prefect API that refuses it costs a printed line, not the run."""
+    try:
+        from prefect.artifacts import create_markdown_artifact
+
+        key = "fp8-grpo-" + "".join(c if c.isalnum() else "-" for c in run.cfg.recipe.lower())
+        create_markdown_artifact(run_report(run.cfg, summary, run.val_metrics), key=key[:100],
+                                 description=f"fp8-grpo run of {run.cfg.recipe}: accuracy, mismatch, step time")
+    except Exception as e:  # noqa: BLE001  reporting must not fail a finished run
+        _say(f"fp8-grpo: the Prefect artifact was not written ({type(e).__name__}: {e})")
 
 
 def cancelled(e: BaseException) -> bool:

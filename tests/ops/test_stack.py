@@ -97,6 +97,13 @@ def test_deployment_run_two_steps_to_mlflow_and_s3(stack, moto, faulty_s3, s3_cr
     flow_runs = rest(f"{stack['prefect_api_url']}/flow_runs/filter",
                      {"flow_runs": {"name": {"any_": [flow_run_name]}}})
     assert len(flow_runs) == 1 and flow_runs[0]["state_type"] == "COMPLETED"
+    # the run's report, a markdown artifact of the flow run: accuracy start -> end, mismatch, the MLflow link
+    artifacts = rest(f"{stack['prefect_api_url']}/artifacts/filter",
+                     {"artifacts": {"flow_run_id": {"any_": [flow_runs[0]["id"]]}}})
+    reports = [a for a in artifacts if a["type"] == "markdown" and a["key"] == "fp8-grpo-tiny-fp8-e2e"]
+    assert len(reports) == 1, artifacts
+    assert "validation accuracy (greedy, 95% CI)" in reports[0]["data"] and run_id in reports[0]["data"]
+    assert "| steps | 1-2 (2 run) of 2 |" in reports[0]["data"]
     logs = rest(f"{stack['prefect_api_url']}/logs/filter",
                 {"logs": {"flow_run_id": {"any_": [flow_runs[0]["id"]]}}, "limit": 200})
     blob += json.dumps(logs) + json.dumps(flow_runs[0]["parameters"])
