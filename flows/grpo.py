@@ -48,8 +48,6 @@ if TYPE_CHECKING:
     from data.loading import PromptSource
     from tasks.context import RunContext
 
-PLOT_KEYS = ["reward/mean", "val/accuracy", "mismatch/token_mult_prob_error", "policy/entropy", "time/step_s",
-             "throughput/rollout_tokens_per_s"]
 
 
 def _say(msg: str) -> None:
@@ -344,6 +342,17 @@ def _train(run: _Run) -> None:
                 _say(f"step {step}: {int(skipped_now)} non-finite update(s) skipped; checkpoint not written")
             else:
                 run.last_ck = save_checkpoint(run.ctx, step)
+                if cfg.logger.plot and not last:  # the curves so far, beside the checkpoint (the end redraws them)
+                    _update_curves(run)
+
+
+def _update_curves(run: _Run) -> None:
+    from tasks.tracking import plot_curves
+
+    try:
+        plot_curves(run.uri, run.run_id)
+    except Exception as e:  # noqa: BLE001  a figure must not stop training
+        _say(f"fp8-grpo: curves.png not updated ({type(e).__name__}: {e})")
 
 
 def _worker_lost(run: _Run, lost: list[str], step: int, e: BaseException) -> Exception:
@@ -419,7 +428,8 @@ def _finish(run: _Run) -> dict:
                                       "summary/validate_s": summary["validate_s_total"],
                                       "summary/validate_share": summary["validate_share"] or 0.0},
                         cfg.grpo.max_num_steps)
-        finish_run(uri, run_id, status=run.status, summary=summary, plot_keys=PLOT_KEYS if cfg.logger.plot else [])
+        finish_run(uri, run_id, status=run.status, summary=summary, plot=cfg.logger.plot,
+                   report=run_report(cfg, summary, val_metrics))
     return summary
 
 

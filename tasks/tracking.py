@@ -150,7 +150,8 @@ Where to look (Model metrics tab; type a prefix in its search box):
   `val/<set>/accuracy` per evaluation set, `val/main/pass_at_k` / `avg_at_k` where sampled
 - **throughput/** rollout and train tokens/s; **time/step_s** and the `time/share_*` split
 - **mismatch/token_mult_prob_error**: train/inference mismatch (1.0 = none); `is/*`, `clip/*`
-- Artifacts: `curves.png` (the main curves), `summary.json`, `val/<set>/step_XXXXXX.jsonl` (per-prompt results)
+- Artifacts: `curves.png` (accuracy with CIs, reward, throughput, mismatch, clip fractions, entropy; updated at
+  every checkpoint), `summary.json`, `val/<set>/step_XXXXXX.jsonl` (per-prompt results)
 """
 
 
@@ -209,32 +210,80 @@ def log_metrics_task(uri: str | None, run_id: str | None, metrics: dict, step: i
     log_metrics(uri, run_id, metrics, step)
 
 
-@task(name="finish-run", cache_policy=NO_CACHE)
-def finish_run(uri: str | None, run_id: str | None, *, status: str, summary: dict, plot_keys: list[str]) -> str | None:
-    """Final summary + a plot of the main curves as artifacts; marks the run FINISHED/FAILED. Returns the plot path."""
+# the answer-first figure: (title, [(metric key, label)], with a 95% CI band from <key>_lo / _hi when logged)
+CURVES = (("validation accuracy (95% CI)", "val/*/accuracy"),
+          ("reward", (("reward/mean", "mean reward"),)),
+          ("throughput (tokens/s)", (("throughput/rollout_tokens_per_s", "rollout"),
+                                     ("throughput/train_tokens_per_s", "train"))),
+          ("train / inference mismatch", (("mismatch/token_mult_prob_error", "token-mult-prob-error"),)),
+          ("clip fractions", (("clip/lower_neg_adv_frac", "low bound, A < 0"),
+                              ("clip/upper_pos_adv_frac", "high bound, A > 0"))),
+          ("policy entropy", (("policy/entropy", "entropy (nats/token)"),)))
+
+
+def plot_curves(uri: str | None, run_id: str | None, path: str = "curves.png") -> str | None:
+    """One figure that answers "did accuracy and throughput hold up, at what mismatch?": validation accuracy of
+    every set with its CI band, reward, rollout and train throughput, the mismatch, the clip fractions and the
+    entropy over steps, logged as the run's ``path`` artifact (replaced at each call: the flow calls it at every
+    checkpoint and at the end). Returns ``path``, or None without MLflow."""
     if not run_id:
         return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = client(uri)
+    keys = set(c.get_run(run_id).data.metrics)
+
+    def hist(key):
+        h = sorted(c.get_metric_history(run_id, key), key=lambda m: m.step)
+        return [m.step for m in h], [m.value for m in h]
+
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+    for ax, (title, series) in zip(axes.flat, CURVES, strict=True):
+        if series == "val/*/accuracy":  # every validated set, from its per-set key
+            sets = sorted(k.split("/")[1] for k in keys if k.startswith("val/") and k.endswith("/accuracy")
+                          and k.count("/") == 2)
+            series = tuple((f"val/{name}/accuracy", name) for name in sets)
+        for key, label in series:
+            if key not in keys:
+                continue
+            x, y = hist(key)
+            ax.plot(x, y, marker="o", ms=3, label=label)
+            if f"{key}_lo" in keys and f"{key}_hi" in keys:
+                (xl, lo), (_, hi) = hist(f"{key}_lo"), hist(f"{key}_hi")
+                ax.fill_between(xl, lo, hi, alpha=0.2)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    c.log_figure(run_id, fig, path)
+    plt.close(fig)
+    return path
+
+
+@task(name="finish-run", cache_policy=NO_CACHE)
+def finish_run(uri: str | None, run_id: str | None, *, status: str, summary: dict, plot: bool = True,
+               report: str = "") -> str | None:
+    """Final summary + the curves figure as artifacts, the run's description led by ``report`` (the flow's summary
+    table: accuracy start -> end, mismatch, step time) above the where-to-look note; marks the run FINISHED/FAILED.
+    Returns the plot path."""
+    if not run_id:
+        return None
+    from mlflow.entities import RunTag
+
     c = client(uri)
     c.log_text(run_id, json.dumps(summary, indent=1, default=str), "summary.json")
-    plot = None
+    out = None
     try:
-        if not plot_keys:  # logger.plot: false
-            return None
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(2, (len(plot_keys) + 1) // 2, figsize=(4 * ((len(plot_keys) + 1) // 2), 6))
-        for ax, key in zip(axes.flat, plot_keys, strict=False):
-            hist = sorted(c.get_metric_history(run_id, key), key=lambda m: m.step)
-            ax.plot([m.step for m in hist], [m.value for m in hist], marker="o", ms=3)
-            ax.set_title(key, fontsize=9)
-            ax.set_xlabel("step")
-        fig.tight_layout()
-        c.log_figure(run_id, fig, "curves.png")
-        plt.close(fig)
-        plot = "curves.png"
+        if report:
+            note = c.get_run(run_id).data.tags.get("mlflow.note.content", "")
+            note = note.split("\n\n---\n\n", 1)[-1]  # a resumed run replaces the earlier report
+            c.log_batch(run_id, tags=[RunTag("mlflow.note.content", f"{report}\n\n---\n\n{note}")])
+        if plot:
+            out = plot_curves(uri, run_id)
     finally:
         c.set_terminated(run_id, status=status)
-    return plot
+    return out
