@@ -95,7 +95,10 @@ def sft_bootstrap(model_dir: str | Path, train_path: str | Path, out_dir: str | 
         opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)) * max(0.05, 1 - s / max(1, cfg.steps)))
     pad = tokenizer.pad_token_id
     t0 = time.perf_counter()
-    for step in range(cfg.steps):
+    from tools.progress import progress
+
+    bar = progress(range(cfg.steps), desc="SFT warm start", unit="step")  # a terminal gets a bar, a log the lines
+    for step in bar:
         batch = rng.sample(encoded, min(cfg.batch_size, len(encoded)))
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -111,8 +114,11 @@ def sft_bootstrap(model_dir: str | Path, train_path: str | Path, out_dir: str | 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 50 == 0 or step == cfg.steps - 1:
+        if not bar.disable and step % 10 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+        if (bar.disable and step % 50 == 0) or step == cfg.steps - 1:
             log(f"sft step {step:4d}/{cfg.steps} loss {loss.item():.4f} ({time.perf_counter() - t0:.1f}s)")
+    bar.close()
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -151,17 +151,25 @@ SAMPLED_SEED = 7_000_001  # sampled evaluation: prompt g of a set gets seeds SAM
 
 
 def _generate_rows(ctx: RunContext, rows: list[dict], *, n: int, temperature: float, top_p: float,
-                   seed0: int) -> list[dict]:
+                   seed0: int, desc: str = "") -> list[dict]:
     """``n`` completions per row, grpo.val_batch_size prompts per engine call; prompt g gets seed ``seed0 + g*n``
     (independent of the chunking, the same at every validation step: common random numbers across steps)."""
     prompts, bs = prompts_for(ctx, rows), ctx.val_batch_size
     # fan-out: consecutive prompt ranges per engine (cluster.runtime.split_groups), each in calls of bs prompts; all
     # calls issued at once (each engine runs its own in order), gathered in prompt order
+    calls = [(k, i, min(i + bs, b)) for k, (a, b) in enumerate(split_groups(len(prompts), len(ctx.rollouts)))
+             for i in range(a, b, bs)]
     refs = [actor(ctx.rollouts[k]).generate.remote(
-                prompts[i:min(i + bs, b)], n=n, max_tokens=ctx.gen.max_new_tokens, temperature=temperature,
-                top_p=top_p, seed=seed0 + i * n)
-            for k, (a, b) in enumerate(split_groups(len(prompts), len(ctx.rollouts))) for i in range(a, b, bs)]
-    return [o for part in get(refs) for o in part]
+                prompts[i:j], n=n, max_tokens=ctx.gen.max_new_tokens, temperature=temperature, top_p=top_p,
+                seed=seed0 + i * n) for k, i, j in calls]
+    from tools.progress import progress
+
+    out = []
+    with progress(total=len(prompts), desc=desc or "validation", unit="prompt") as bar:  # a bar on a terminal only
+        for (_, i, j), ref in zip(calls, refs, strict=True):  # in prompt order (each engine runs its calls in order)
+            out += get(ref)
+            bar.update(j - i)
+    return out
 
 
 def _set_metrics(prefix: str, records: list[dict], ev, *, sampled: bool) -> dict:
@@ -206,7 +214,8 @@ def validate(ctx: RunContext, sets: dict[str, list[dict]], step: int, *, kv_scal
     sampled = sampled and ev.n > 0
     metrics, records, t_sampled = {}, {}, 0.0
     for name, rows in sets.items():
-        outs = _generate_rows(ctx, rows, n=1, temperature=VAL_TEMPERATURE, top_p=1.0, seed0=0)
+        outs = _generate_rows(ctx, rows, n=1, temperature=VAL_TEMPERATURE, top_p=1.0, seed0=0,
+                              desc=f"validation {name} (step {step})")
         texts = [o["samples"][0]["text"] for o in outs]
         checks = [_verify(r, t) for t, r in zip(texts, rows, strict=True)]
         faulty = ctx.hooks.degraded([c for _, c in checks], ctx.seed * 7919 + step) if ctx.hooks else set()
@@ -218,7 +227,7 @@ def validate(ctx: RunContext, sets: dict[str, list[dict]], step: int, *, kv_scal
             ts = time.perf_counter()
             sub = rows[:ev.max_prompts]
             souts = _generate_rows(ctx, sub, n=ev.n, temperature=ctx.gen.temperature, top_p=ctx.gen.top_p,
-                                   seed0=SAMPLED_SEED)
+                                   seed0=SAMPLED_SEED, desc=f"sampled evaluation {name} (step {step})")
             for rec, row, o in zip(recs, sub, souts, strict=False):
                 sc = [_verify(row, s["text"]) for s in o["samples"]]
                 rec["samples_correct"] = [bool(c) for _, c in sc]
