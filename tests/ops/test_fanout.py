@@ -49,3 +49,37 @@ def test_two_rollout_engines_two_steps(tmp_path, capsys, monkeypatch):
         assert run.data.params["cpu/kind"] == "avx2" and run.data.params["cpu/cap"] == "avx2"
         assert run.data.tags["rollout/kv_mode"] == "fp8-emulated"
         assert run.data.tags["cpu/rollout_kind"] == run.data.tags["cpu/policy_kind"] == "avx2"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_async_two_engines_two_trainers_with_fp8_kv_scales(tmp_path, capsys):
+    """Asynchronous GRPO over N = 2 engines and M = 2 trainers with the FP8 KV cache: each step's refit carries one
+    policy version's weights with the K/V scales calibrated from it (the engine refuses a stale pair), the rollouts
+    generated ahead fan out over both engines, and every step after the first trains on trajectories one version
+    old."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.grpo import grpo
+
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    s = grpo("configs/tiny_fp8_e2e_kv.yaml", [*TINY, f"run_dir={tmp_path / 'run'}", f"logger.mlflow.tracking_uri={db}",
+                                              "checkpointing.enabled=false", "cluster.rollout_workers=2",
+                                              "cluster.policy_workers=2", "policy.threads=1",
+                                              "policy.generation.vllm_cfg.threads=1", "grpo.max_num_steps=3",
+                                              "grpo.async_grpo.enabled=true", "grpo.dynamic_sampling=false"])
+    out = capsys.readouterr().out
+    assert "x 2 trainer(s), rollout 2 x vLLM" in out and "step   3/3 | reward" in out, out[-3000:]
+    c = MlflowClient(tracking_uri=db)
+    run_id = s["mlflow_run_id"]
+
+    def hist(key):
+        return [m.value for m in sorted(c.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+    assert hist("async/trajectory_age_max") == [0.0, 1.0, 1.0]
+    assert hist("refit/weights_version") == [0.0, 1.0, 2.0]
+    assert hist("rollout/engines") == [2.0, 2.0, 2.0]
+    assert hist("async/rollouts_ahead") == [1.0, 1.0, 0.0]  # the last step generates none
+    assert len(set(hist("kv/k_scale_mean"))) >= 2  # recalibrated from each version
+    assert s["step_interval_s"] is not None and s["steps_run"] == 3
