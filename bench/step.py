@@ -59,6 +59,7 @@ def run_project(recipe: str, w: Workload, *, steps: int = 4, overrides: tuple[st
             per_step.append({
                 "step_s": t4 - t0, "refit_s": t1 - t0, "rollout_s": t2 - t1, "reward_s": t3 - t2, "train_s": t4 - t3,
                 "old_logprob_s": m["time/train_logprob_s"], "optimizer_s": m.get("time/train_optimizer_s", 0.0),
+                "reference_logprob_s": m.get("time/reference_logprob_s", 0.0),
                 "train_fwd_bwd_s": m["time/policy_train_s"] - m["time/train_logprob_s"]
                 - m.get("time/train_optimizer_s", 0.0) - m["time/clip_calibration_s"],
                 "generated_tokens": gen_tokens, "reward_mean": m["reward/mean"],
@@ -68,7 +69,8 @@ def run_project(recipe: str, w: Workload, *, steps: int = 4, overrides: tuple[st
     tail = per_step[1:] if len(per_step) > 1 else per_step
     med = {k: statistics.median(s[k] for s in tail) for k in tail[0]}
     return {"recipe": recipe, "overrides": list(overrides), "steps": per_step, "median": med,
-            "bf16_mode": policy.info().get("bf16_mode"), "threads": torch.get_num_threads()}
+            "bf16_mode": policy.info().get("bf16_mode"), "threads": torch.get_num_threads(),
+            "peak_rss_mb": policy.memory()["peak"] / 2**20}
 
 
 def main(argv=None) -> int:

@@ -201,7 +201,12 @@ class LossFnCfg:
     ratio_clip_max: float = 0.28
     ratio_clip_c: float | None = None  # dual-clip bound (>1) for negative advantages
     token_level_loss: bool = True
+    # reference-policy KL (NeMo RL's keys): coefficient (0 = off), estimator of KL(pi || pi_ref) at the sampled tokens,
+    # and the clamps of its input log-ratio and of its output (null = none); the reference is the initial policy
     reference_policy_kl_penalty: float = 0.0
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_input_clamp_value: float | None = 20.0
+    kl_output_clamp_value: float | None = 10.0
     use_importance_sampling_correction: bool = False
     importance_sampling: Literal["tis", "icepop", "seq_mask_tis"] = "tis"
     is_truncation: float = 2.0  # TIS cap C: weight = min(pi_old/pi_rollout, C)
@@ -602,14 +607,17 @@ def _validate_sizes(c: Config):
 
 
 def _validate_loss(c: Config):
-    """The loss: clip bounds, no reference-policy KL term, one importance weight only, and the IS mask bounds."""
+    """The loss: clip bounds, the reference-policy KL term, one importance weight only, and the IS mask bounds."""
     lf = c.loss_fn
     _check(0.0 <= lf.ratio_clip_min < 1.0, "loss_fn.ratio_clip_min", f"must be in [0, 1), got {lf.ratio_clip_min}")
     _check(lf.ratio_clip_max >= 0.0, "loss_fn.ratio_clip_max", f"must be >= 0, got {lf.ratio_clip_max}")
     _check(lf.ratio_clip_c is None or lf.ratio_clip_c > 1.0, "loss_fn.ratio_clip_c",
            f"dual-clip bound must be > 1, got {lf.ratio_clip_c}")
-    _check(lf.reference_policy_kl_penalty == 0.0, "loss_fn.reference_policy_kl_penalty",
-           "a reference-policy KL term is not implemented (no reference model is kept); set it to 0")
+    _check(lf.reference_policy_kl_penalty >= 0.0, "loss_fn.reference_policy_kl_penalty",
+           f"must be >= 0 (0 = no reference-policy KL term), got {lf.reference_policy_kl_penalty}")
+    for key in ("kl_input_clamp_value", "kl_output_clamp_value"):
+        v = getattr(lf, key)
+        _check(v is None or v > 0, f"loss_fn.{key}", f"must be > 0 or null (no clamp), got {v}")
     _check(lf.is_truncation > 0, "loss_fn.is_truncation", f"must be > 0, got {lf.is_truncation}")
     _check(not (lf.old_logprobs == "rollout" and lf.use_importance_sampling_correction),
            "loss_fn.use_importance_sampling_correction",

@@ -133,6 +133,7 @@ class _StepState:
     is_w: torch.Tensor | None = None  # [B, L] IS weights (loss_fn.use_importance_sampling_correction)
     is_kw: dict = field(default_factory=dict)
     ref_logp: torch.Tensor | None = None  # pi_old of the ratio
+    kl_ref_logp: torch.Tensor | None = None  # [B, L] the reference policy's logprobs (reference-policy KL)
     clip_low: float = 0.0
     clip_high: float = 0.0
     calibrate: bool = False  # a Calibrated Clipping step
@@ -146,6 +147,7 @@ class _StepState:
     t_old: float = 0.0
     t_cal: float = 0.0
     t_opt: float = 0.0
+    t_ref: float = 0.0
 
 
 class PolicyWorker:
@@ -202,11 +204,16 @@ class PolicyWorker:
             from trainer.dp import checkpoint_layers
 
             checkpoint_layers(self.model, lambda: self._recompute() if self._recompute else contextlib.nullcontext())
+        # loss_fn.reference_policy_kl_penalty > 0: a frozen copy of the initial policy (its FP8 numerics too), sharded
+        # like the policy; its logprobs come from the trainer's own logprob pass (_reference_logprobs)
+        self.ref_model = self._reference_model() if cfg.loss_fn.reference_policy_kl_penalty > 0 else None
         if self.dp.active:  # data-parallel rank: FSDP2 shards masters, gradients and optimizer state (trainer/dp.py)
             from trainer.dp import init_group, shard_model
 
             init_group(self.dp, self.device)
             shard_model(self.model, self.device)
+            if self.ref_model is not None:
+                shard_model(self.ref_model, self.device)
             if self.bf16_emulation is not None:  # no rounded copy of a gathered weight (trainer/dp.py)
                 self.bf16_emulation.cache_weights = False
         o = p.optimizer
@@ -236,6 +243,32 @@ class PolicyWorker:
         from cluster.faults import TestHooks
 
         self.hooks = TestHooks.from_config(cfg, self.run_dir)
+
+    def _reference_model(self):
+        """The reference policy of the KL term: the initial policy (``policy.model_name``), built as the policy is
+        (FP32 masters, the recipe's FP8 linears), frozen and in eval mode. Not with MoE models (their routing replay
+        and routing counts are the policy's)."""
+        from transformers import AutoModelForCausalLM
+
+        if self.moe_layers:
+            raise ValueError("loss_fn.reference_policy_kl_penalty: a reference-policy KL term is not supported for "
+                             "MoE models (routing replay covers the policy only); set it to 0")
+        ref = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
+        ref.config.use_cache = False
+        if self.fp8_spec is not None:
+            self.fp8_spec.convert(ref)
+        ref.requires_grad_(False)
+        return ref.eval()
+
+    def _reference_logprobs(self, b: Batch) -> torch.Tensor:
+        """The reference policy's logprobs of ``b`` through the trainer's own logprob pass (:meth:`logprobs`, with
+        the reference model in the policy's place)."""
+        policy = self.model
+        self.model = self.ref_model
+        try:
+            return self.logprobs(b)[0]
+        finally:
+            self.model = policy
 
     # ------------------------------------------------------------------------------------------------ basic info
     def info(self) -> dict:
@@ -532,6 +565,7 @@ class PolicyWorker:
         wall = time.perf_counter() - t0
         ntok = float(st.b.attn.sum())
         m["time/train_logprob_s"] = st.t_old
+        m["time/reference_logprob_s"] = st.t_ref
         m["time/clip_calibration_s"] = st.t_cal
         m["time/train_optimizer_s"] = st.t_opt  # gradient clipping + AdamW steps
         m["time/policy_train_s"] = wall
@@ -574,6 +608,12 @@ class PolicyWorker:
         if len(later):
             st.old_logp[later], st.ent[later] = self.logprobs(b, want_entropy=True, rows=later)
             st.known[later] = True
+        if self.ref_model is not None:  # reference-policy KL: the frozen initial policy on every row
+            tr = time.perf_counter()
+            measure, self._moe_measure = self._moe_measure, False
+            st.kl_ref_logp = self._reference_logprobs(b)
+            self._moe_measure = measure
+            st.t_ref = time.perf_counter() - tr
         return st
 
     def _prepare_loss(self, st: _StepState) -> None:
@@ -646,7 +686,10 @@ class PolicyWorker:
             loss, lm = clipped_pg_loss(
                 logp, st.ref_logp[idx, :w].to(logp.device), adv[idx].to(logp.device), mb.mask.to(logp.device),
                 clip_low=st.clip_low, clip_high=st.clip_high, dual_clip=lf.ratio_clip_c, loss_agg=agg, ratio_level=level,
-                is_weights=None if st.is_w is None else st.is_w[idx, :w].to(logp.device), normalizer=normalizer)
+                is_weights=None if st.is_w is None else st.is_w[idx, :w].to(logp.device), normalizer=normalizer,
+                ref_logp=None if st.kl_ref_logp is None else st.kl_ref_logp[idx, :w].to(logp.device),
+                kl_coef=lf.reference_policy_kl_penalty, kl_type=lf.reference_policy_kl_type,
+                kl_input_clamp=lf.kl_input_clamp_value, kl_output_clamp=lf.kl_output_clamp_value)
             if not torch.isfinite(loss):
                 finite = False
                 if self.dp.active:  # this forward's collectives ran: its backward's must too (the update is skipped)

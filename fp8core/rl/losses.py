@@ -23,10 +23,12 @@ surrogate: ``pg_it = max(-A r, -A clamp(r, L, H))``  (= -min(r A, clip(r) A), PP
 dual-clip (Ye et al. 2020, arXiv:1912.09729, eq. 5): for ``A < 0``, ``pg_it = min(pg_it, -c A)`` with ``c = dual_clip > 1``
     (bounds the loss of a negative-advantage token whose ratio exploded).
 IS correction: ``pg_it *= w_it`` with detached per-token weights ``w`` (see ``fp8core.rl.importance``).
-k3 KL to a reference policy (Schulman, http://joschu.net/blog/kl-approx.html; GRPO eq. 4):
-    ``kl_it = exp(ref_logp - logp) - (ref_logp - logp) - 1``, also multiplied by ``w_it`` when IS weights are given
-    (the tokens were sampled from the rollout policy, the weights re-target the expectation to pi_old);
-    ``loss_it = pg_it + kl_coef * kl_it``.
+KL to a reference policy (Schulman, http://joschu.net/blog/kl-approx.html; GRPO eq. 4), ``kl_type`` of
+    ``d = logp - ref_logp`` (clamped to ``[-kl_input_clamp, kl_input_clamp]`` when given):
+    k1 ``d``; k2 ``d^2 / 2``; k3 (default) ``exp(-d) + d - 1``; the estimate clamped to
+    ``[-kl_output_clamp, kl_output_clamp]`` when given (NeMo RL's kl_input / kl_output clamps); also multiplied by
+    ``w_it`` when IS weights are given (the tokens were sampled from the rollout policy, the weights re-target the
+    expectation to pi_old); ``loss_it = pg_it + kl_coef * kl_it``.
 aggregation (explicit, ``m`` the mask, ``n_i = sum_t m_it``; sequences with n_i = 0 are not counted):
     TOKEN_MEAN           sum_it loss_it m_it / sum_it m_it                      (DAPO token-level normalization, eq. 8)
     SEQ_MEAN_TOKEN_MEAN  mean_i [ sum_t loss_it m_it / n_i ]                   (original GRPO eq. 3; GSPO)
@@ -34,7 +36,8 @@ aggregation (explicit, ``m`` the mask, ``n_i = sum_t m_it``; sequences with n_i 
     ``normalizer`` (optional) replaces the denominator (global token count for TOKEN_MEAN, global sequence count for the
     SEQ_* modes) so gradient accumulation over micro-batches reproduces the full-batch loss.
 
-Metrics returned (python floats): ``loss/pg``, ``loss/kl`` (mean k3 over valid tokens, 0 without ref), ``loss/total``,
+Metrics returned (python floats): ``loss/pg``, ``loss/reference_kl`` (mean KL estimate over valid tokens, 0 without
+ref), ``loss/total``,
 and ``clip_metrics`` (``clip/*``, see ``fp8core.rl.metrics``) computed on the ratio actually clipped.
 """
 from __future__ import annotations
@@ -45,7 +48,28 @@ import torch
 
 from fp8core.rl.metrics import clip_metrics, masked_mean
 
-__all__ = ["RatioLevel", "LossAgg", "clipped_pg_loss", "sequence_log_ratio"]
+__all__ = ["RatioLevel", "LossAgg", "KL_TYPES", "clipped_pg_loss", "reference_kl", "sequence_log_ratio"]
+KL_TYPES = ("k1", "k2", "k3")
+
+
+def reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, kl_type: str = "k3", *,
+                 input_clamp: float | None = None, output_clamp: float | None = None) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) at sampled tokens (module docstring): k1 ``d``, k2 ``d^2 / 2``, k3
+    ``exp(-d) + d - 1`` with ``d = logp - ref_logp``; optional clamps of ``d`` and of the estimate."""
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {', '.join(KL_TYPES)}, got {kl_type!r}")
+    d = logp - ref_logp
+    if input_clamp is not None:
+        d = d.clamp(-input_clamp, input_clamp)
+    if kl_type == "k1":
+        kl = d
+    elif kl_type == "k2":
+        kl = 0.5 * d * d
+    else:
+        kl = torch.exp(-d) + d - 1.0
+    if output_clamp is not None:
+        kl = kl.clamp(-output_clamp, output_clamp)
+    return kl
 
 
 class RatioLevel(StrEnum):
@@ -105,6 +129,9 @@ def clipped_pg_loss(
     kl_coef: float = 0.0,
     is_weights: torch.Tensor | None = None,
     normalizer: float | None = None,
+    kl_type: str = "k3",
+    kl_input_clamp: float | None = None,
+    kl_output_clamp: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss (formulas in the module docstring). Returns ``(scalar loss, metrics)``."""
     level = _coerce(RatioLevel, ratio_level, "ratio_level")
@@ -144,8 +171,9 @@ def clipped_pg_loss(
 
     kl = torch.zeros_like(pg)
     if ref_logp is not None:
-        delta = torch.where(valid, ref_logp.detach() - logp, zero)
-        kl = torch.exp(delta) - delta - 1.0
+        # padding zeroed before the estimate: a NaN there must not reach the gradient through the where
+        kl = torch.where(valid, reference_kl(torch.where(valid, logp, zero), torch.where(valid, ref_logp.detach(), zero),
+                                             kl_type, input_clamp=kl_input_clamp, output_clamp=kl_output_clamp), zero)
         if w is not None:
             kl = kl * w
     per_token = pg + kl_coef * kl
@@ -153,7 +181,7 @@ def clipped_pg_loss(
 
     metrics = {
         "loss/pg": float(masked_mean(pg.detach(), mask)),
-        "loss/kl": float(masked_mean(kl.detach(), mask)),
+        "loss/reference_kl": float(masked_mean(kl.detach(), mask)),
         "loss/total": float(loss.detach()),
     }
     metrics.update(clip_metrics(ratio.detach(), adv, mask, clip_low=clip_low, clip_high=clip_high))

@@ -117,7 +117,7 @@ def test_bad_overrides_name_their_path(override, path):
     (["policy.train_global_batch_size=12"], "policy.train_global_batch_size"),
     (["policy.train_micro_batch_size=5"], "policy.train_micro_batch_size"),
     (["loss_fn.ratio_clip_min=1.5"], "loss_fn.ratio_clip_min"),
-    (["loss_fn.reference_policy_kl_penalty=0.01"], "loss_fn.reference_policy_kl_penalty"),
+    (["loss_fn.reference_policy_kl_penalty=-0.01"], "loss_fn.reference_policy_kl_penalty"),
     (["policy.max_total_sequence_length=100"], "policy.max_total_sequence_length"),
     (["policy.generation.vllm_cfg.max_model_len=100"], "policy.generation.vllm_cfg.max_model_len"),
     (["checkpointing.enabled=false", "checkpointing.resume=true"], "checkpointing.resume"),

@@ -79,7 +79,7 @@ def test_kl_and_is_weights_worked_example():
     loss, m = clipped_pg_loss(logp, logp, torch.ones(1), torch.ones_like(logp), clip_low=0.8, clip_high=1.2,
                               ref_logp=ref, kl_coef=0.1)
     assert loss.item() == pytest.approx(-1.0 + 0.1 * k3)
-    assert m["loss/kl"] == pytest.approx(k3)
+    assert m["loss/reference_kl"] == pytest.approx(k3)
     loss, _ = clipped_pg_loss(logp, logp, torch.ones(1), torch.ones_like(logp), clip_low=0.8, clip_high=1.2,
                               ref_logp=ref, kl_coef=0.1, is_weights=torch.full_like(logp, 0.5))
     assert loss.item() == pytest.approx(0.5 * (-1.0 + 0.1 * k3))
@@ -200,5 +200,37 @@ def test_loss_unchanged_by_extra_padding(seed, extra_cols, extra_rows, level, ag
     assert padded.item() == pytest.approx(base.item(), rel=1e-12, abs=1e-12)
     padded.backward()
     assert torch.isfinite(logp_p.grad).all() and (logp_p.grad[:, T:] == 0).all()
-    for k in ("clip/lower_neg_adv_frac", "clip/upper_pos_adv_frac", "clip/ratio_mean", "loss/kl"):
+    for k in ("clip/lower_neg_adv_frac", "clip/upper_pos_adv_frac", "clip/ratio_mean", "loss/reference_kl"):
         assert padded_m[k] == pytest.approx(base_m[k], rel=1e-12, abs=1e-12)
+
+
+def test_reference_kl_estimators_and_clamps_by_hand():
+    import math
+
+    from fp8core.rl.losses import reference_kl
+
+    logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
+    d = [0.5, -1.0, 0.0]
+    assert reference_kl(logp, ref, "k1").tolist() == pytest.approx(d)
+    assert reference_kl(logp, ref, "k2").tolist() == pytest.approx([0.5 * x * x for x in d])
+    assert reference_kl(logp, ref, "k3").tolist() == pytest.approx([math.exp(-x) + x - 1 for x in d])
+    assert reference_kl(logp, ref, "k1", input_clamp=0.25).tolist() == pytest.approx([0.25, -0.25, 0.0])
+    assert reference_kl(logp, ref, "k3", output_clamp=0.5).tolist() == pytest.approx(
+        [math.exp(-0.5) - 0.5, 0.5, 0.0])
+    with pytest.raises(ValueError, match="kl_type"):
+        reference_kl(logp, ref, "k4")
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+def test_loss_adds_the_chosen_kl_times_its_coefficient(kl_type):
+    from fp8core.rl.losses import reference_kl
+
+    logp = torch.tensor([[-1.0, -2.0, -0.7]], requires_grad=True)
+    old, ref, adv = logp.detach().clone(), torch.tensor([[-1.2, -1.5, -0.7]]), torch.tensor([1.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    base, _ = clipped_pg_loss(logp, old, adv, mask, clip_low=0.8, clip_high=1.28)
+    loss, m = clipped_pg_loss(logp, old, adv, mask, clip_low=0.8, clip_high=1.28, ref_logp=ref, kl_coef=0.1,
+                              kl_type=kl_type)
+    kl = reference_kl(logp.detach(), ref, kl_type)[0, :2].mean()
+    assert float(loss) == pytest.approx(float(base) + 0.1 * float(kl))
+    assert m["loss/reference_kl"] == pytest.approx(float(kl))

@@ -481,3 +481,27 @@ def test_gspo_clips_one_ratio_per_sequence(model_dir):
         else:
             assert m["clip/ratio_max"] == pytest.approx(1.0, abs=1e-6)
             assert m["clip/ratio_min"] == pytest.approx(math.exp(-0.5), rel=1e-4)
+
+
+def test_reference_kl_is_zero_at_the_start_then_the_hand_computed_k3(model_dir):
+    """loss_fn.reference_policy_kl_penalty > 0: the reference is the frozen initial policy, so the first step's KL
+    is exactly 0 (same weights, same FP8 numerics); the next step's ``loss/reference_kl`` is the k3 estimate between
+    the policy before that step's update and a separately built initial policy, averaged over the sampled tokens."""
+    import math
+
+    over = {"policy.train_global_batch_size": 8, "policy.train_micro_batch_size": 8,
+            "policy.megatron_cfg.fp8_cfg.enabled": "true", "loss_fn.reference_policy_kl_penalty": 0.1}
+    w = PolicyWorker(model_dir, _cfg(**over))
+    ro = _rollouts(w)
+    b = Batch.from_rollouts(ro, pad_id=w.tokenizer.pad_token_id)
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    m1 = w.train_step(ro, rewards, step=1)
+    assert m1["loss/reference_kl"] == 0.0 and m1["time/reference_logprob_s"] > 0
+    lp = w.logprobs(b)[0]
+    ref = PolicyWorker(model_dir, _cfg(**over)).logprobs(b)[0]  # the initial policy, built anew
+    mask = b.mask.bool()
+    d = [max(-20.0, min(20.0, p - r)) for p, r in zip(lp[mask].tolist(), ref[mask].tolist(), strict=True)]
+    k3 = [min(10.0, math.exp(-x) + x - 1) for x in d]  # NeMo RL's default clamps: input 20, output 10
+    m2 = w.train_step(ro, rewards, step=2)
+    assert m2["loss/reference_kl"] == pytest.approx(sum(k3) / len(k3), rel=1e-4) and m2["loss/reference_kl"] > 0
+    assert m2["loss/total"] == pytest.approx(m2["loss/pg"] + 0.1 * m2["loss/reference_kl"], rel=1e-5, abs=1e-7)
