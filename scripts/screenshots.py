@@ -6,7 +6,8 @@ the Prefect flow run with its report artifact, taken by headless Chromium from a
 Starts the local stack (scripts/stack: Prefect server, worker, deployments, MLflow server) on free loopback ports,
 runs the ``fp8-grpo/fp8-grpo`` deployment on the tiny end-to-end FP8 recipe (``--steps`` steps, the overrides after
 it), finds the flow run, its artifact and the MLflow run through their APIs, and writes ``mlflow-run.png``,
-``mlflow-charts.png``, ``prefect-flow-run.png`` and ``prefect-artifact.png`` under ``--out``; then stops the stack.
+``mlflow-charts.png``, ``prefect-flow-run.png``, ``prefect-artifact.png`` and the second step's subflow
+``prefect-rl-step-2.png`` (its tasks on a timeline) under ``--out``; then stops the stack.
 Needs a Chromium binary (Debian: ``apt-get install chromium``; ``--chromium PATH`` or $CHROMIUM otherwise)."""
 from __future__ import annotations
 
@@ -82,12 +83,19 @@ def main(argv: list[str] | None = None) -> int:
         runs = rest(f"{mlflow}/api/2.0/mlflow/runs/search", {"experiment_ids": [exp["experiment_id"]],
                                                            "filter": f"attributes.run_name = '{name}'"})["runs"]
         run_id = runs[0]["info"]["run_id"]
+        # the second step's subflow: its tasks on a timeline (asynchronous: rollout-step-3 beside train)
+        steps = sorted(rest(f"{api}/flow_runs/filter", {"flow_runs": {"parent_flow_run_id": {"operator": "and_",
+                                                                                            "any_": [flow_run["id"]]}},
+                                                        "flows": {"name": {"any_": ["rl_step"]}}}),
+                       key=lambda r: r["start_time"] or "")
         shots = [shoot(a.chromium, f"{mlflow}/#/experiments/{exp['experiment_id']}/runs/{run_id}",
                        out / "mlflow-run.png", height=1400),
                  shoot(a.chromium, f"{mlflow}/#/experiments/{exp['experiment_id']}/runs/{run_id}/artifacts/"
                        + urllib.parse.quote("curves.png"), out / "mlflow-charts.png", height=1200),
                  shoot(a.chromium, f"{ui}/runs/flow-run/{flow_run['id']}", out / "prefect-flow-run.png"),
                  shoot(a.chromium, f"{ui}/artifacts/artifact/{artifact['id']}", out / "prefect-artifact.png")]
+        if len(steps) > 1:
+            shots.append(shoot(a.chromium, f"{ui}/runs/flow-run/{steps[1]['id']}", out / "prefect-rl-step-2.png"))
         for s in shots:
             print(f"screenshot: {s}")
     finally:
