@@ -77,6 +77,8 @@ def resolve(argv: list[str]) -> tuple[str | None, list[str], str | None]:
         if name not in EXPERIMENTS:
             return None, [], f"fp8-grpo experiments: unknown experiment {rest[0]!r}; one of: {', '.join(EXPERIMENTS)}"
         return f"experiments.{name}", rest[1:], None
+    if command == "export" and rest[:1] != ["export"]:  # tools.fp8_export's one subcommand: `fp8-grpo export CK OUT`
+        rest = ["export", *rest]
     return module, rest, None
 
 

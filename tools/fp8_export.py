@@ -114,6 +114,85 @@ def export(checkpoint: str, out: str | Path, *, layout: str = "fp8core", recipe:
     return out
 
 
+EVAL_TEMPERATURE = 0.01  # near-greedy, as the flow's validation (vLLM clamps lower temperatures to 0.01)
+
+
+def evaluate(checkpoint: str, out: str | Path, *, recipe: str, overrides: list[str] | None = None,
+             eval_data: str | None = None, prompts: int = 200, endpoint_url: str | None = None) -> dict:
+    """Does the export serve what was trained? The rollout engine loads the export with no refit (``--layout
+    fp8core``); a second engine serves the checkpoint's own policy (the trainer built from its FP32 masters, refit as
+    in training). Both answer the same validation prompts near-greedily; returns their accuracies with Wilson 95%
+    CIs, the paired difference with its bootstrap CI, the share of identical responses, and the largest difference
+    between the export's tensors and the trainer's served FP8 weights (codes and scales)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from configs.schema import EMBEDDED, load_config
+    from data.loading import load_split, rows
+    from data.prompt import PromptFormat
+    from embedded.verifiers import verify
+    from fp8core.serve import served_state_dict
+    from fp8core.stats import accuracy_estimate, paired_bootstrap
+    from rollout.engine import RolloutWorker
+    from storage.checkpoint import CheckpointStore
+    from trainer.policy import PolicyWorker
+
+    cfg = load_config(recipe, overrides or [])
+    path = eval_data or cfg.data.validation_path
+    if path == EMBEDDED:
+        raise ValueError("--eval-data: the recipe's data.validation_path is the embedded set; pass the run's "
+                         "validation file (e.g. runs/assets/addition/data/validation.jsonl)")
+    ds = load_split(path, question_key=cfg.data.question_key, answer_key=cfg.data.answer_key)
+    items = rows(ds, question_key=cfg.data.question_key, answer_key=cfg.data.answer_key,
+                 indices=range(min(prompts, len(ds))), task=cfg.data.task)
+    fmt, gen = PromptFormat.from_config(cfg.data), cfg.policy.generation
+    root, step = _split_checkpoint(str(checkpoint))
+    store = CheckpointStore(root, endpoint_url=endpoint_url)
+    step = store.latest_step() if step is None else step
+
+    def answer(engine) -> list[dict]:
+        texts = engine.render_prompts(fmt, [(r["question"], r["task"]) for r in items])
+        outs = engine.generate(texts, n=1, max_tokens=gen.max_new_tokens, temperature=EVAL_TEMPERATURE, seed=0)
+        return [o["samples"][0] for o in outs]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = store.download_model(step, tmp)
+        engine = RolloutWorker(out, cfg, run_dir=Path(tmp) / "export-engine")  # the export as it is: no refit
+        try:
+            exported = answer(engine)
+        finally:
+            engine.shutdown()
+        policy = PolicyWorker(src, cfg, run_dir=Path(tmp) / "policy")
+        engine = RolloutWorker(src, cfg, run_dir=Path(tmp) / "policy-engine")
+        try:
+            engine.refit(policy.weights())
+            trained = answer(engine)
+        finally:
+            engine.shutdown()
+        served = served_state_dict(policy.model, hp_dtype=torch.bfloat16)
+    saved = load_file(str(Path(out) / "model.safetensors"))
+    missing = sorted(set(served) ^ set(saved))
+    max_diff = max(float((served[k].float() - saved[k].float()).abs().max()) for k in served if k in saved)
+    ok_e = [verify(r["task"], s["text"], r["answer"])[1] for r, s in zip(items, exported, strict=True)]
+    ok_t = [verify(r["task"], s["text"], r["answer"])[1] for r, s in zip(items, trained, strict=True)]
+    diff = paired_bootstrap([float(x) for x in ok_t], [float(x) for x in ok_e])
+    return {"prompts": len(items), "export": accuracy_estimate(ok_e).as_dict(),
+            "policy": accuracy_estimate(ok_t).as_dict(), "export_minus_policy": diff.as_dict(),
+            "same_responses": sum(a["token_ids"] == b["token_ids"] for a, b in zip(exported, trained, strict=True))
+            / len(items), "max_weight_diff": max_diff, "keys_not_in_both": missing}
+
+
+def _eval_lines(r: dict) -> str:
+    def est(e):
+        return f"{e['value']:.3f} [{e['lo']:.3f}, {e['hi']:.3f}]"
+
+    return (f"export parity on {r['prompts']} validation prompts (near-greedy): export {est(r['export'])} | "
+            f"checkpoint's policy {est(r['policy'])} | export - policy {r['export_minus_policy']['value']:+.3f} "
+            f"[{r['export_minus_policy']['lo']:+.3f}, {r['export_minus_policy']['hi']:+.3f}] | identical responses "
+            f"{r['same_responses']:.1%} | largest weight difference {r['max_weight_diff']:.3g}"
+            + (f" | tensors in one only: {', '.join(r['keys_not_in_both'][:5])}" if r["keys_not_in_both"] else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.fp8_export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,7 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--recipe", help="the run's recipe (only for checkpoints without rollout_fp8_spec)")
     ex.add_argument("overrides", nargs="*", help="recipe overrides key=value (with --recipe)")
     ex.add_argument("--endpoint-url", help="S3 endpoint for s3:// checkpoints (credentials from the environment)")
+    ex.add_argument("--eval", action="store_true",
+                    help="after exporting, serve the export (no refit) and the checkpoint's own policy on validation "
+                         "prompts and print both accuracies with CIs and the largest weight difference "
+                         "(--layout fp8core; needs --recipe)")
+    ex.add_argument("--eval-data", help="validation JSONL/Parquet for --eval (default: the recipe's data.validation_path)")
+    ex.add_argument("--eval-prompts", type=int, default=200, help="validation prompts for --eval (default 200)")
     args = ap.parse_args(argv)
+    if args.eval and (args.layout != "fp8core" or not args.recipe):
+        print("fp8_export: --eval needs --layout fp8core (the CPU engine serves it) and --recipe (the run's recipe: "
+              "the engine's settings and the validation set)", file=sys.stderr)
+        return 2
     from storage.checkpoint import CheckpointError
 
     try:
@@ -135,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8_export: {e}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} -> {out} ({args.layout} layout)")
+    if args.eval:
+        try:
+            r = evaluate(args.checkpoint, out, recipe=args.recipe, overrides=args.overrides, eval_data=args.eval_data,
+                         prompts=args.eval_prompts, endpoint_url=args.endpoint_url)
+        except (ValueError, CheckpointError) as e:
+            print(f"fp8_export: {e}", file=sys.stderr)
+            return 2
+        print(_eval_lines(r))
     return 0
 
 

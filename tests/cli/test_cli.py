@@ -32,7 +32,8 @@ def test_console_script_is_installed_and_lists_the_commands():
     (["bench", "async-grpo", "--steps", "4"], "bench.async_grpo", ["--steps", "4"]),
     (["experiments", "paper-study", "--table-only"], "experiments.paper_study", ["--table-only"]),
     (["stack", "start"], "scripts/stack.py", ["start"]),
-    (["export", "CK", "OUT"], "tools.fp8_export", ["CK", "OUT"]),
+    (["export", "CK", "OUT", "--eval"], "tools.fp8_export", ["export", "CK", "OUT", "--eval"]),
+    (["export", "export", "CK", "OUT"], "tools.fp8_export", ["export", "CK", "OUT"]),
 ])
 def test_commands_reach_their_module_with_the_arguments_unchanged(args, module, rest):
     assert resolve(args) == (module, rest, None)
@@ -58,7 +59,8 @@ def test_bad_commands_fail_with_one_line(args, needle):
 @pytest.mark.parametrize("args, needle", [(["train", "--help"], "python -m flows.grpo"),
                                           (["bench", "gemm", "--help"], "--shapes"),
                                           (["experiments", "async_study", "--help"], "--age"),
-                                          (["stack", "--help"], "scripts/stack")])
+                                          (["stack", "--help"], "scripts/stack"),
+                                          (["export", "--help"], "--eval-prompts")])
 def test_help_of_a_command_is_its_modules_help(args, needle):
     r = _run(*args)
     assert r.returncode == 0 and needle in r.stdout, (r.stdout[-2000:], r.stderr[-2000:])

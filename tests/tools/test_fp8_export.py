@@ -115,3 +115,37 @@ def test_export_bad_input_names_it(trained, tmp_path, capsys):
 
     with pytest.raises(ValueError, match="rowwise"):
         quantization_config(FP8Spec(recipe="rowwise"), 4, "vllm")
+
+
+def test_export_eval_reports_parity_with_the_checkpoints_policy(trained, tmp_path, capsys):
+    """``export --eval``: the engine serving the export (no refit) and the engine refit from the checkpoint's own
+    policy answer the same validation prompts identically, and the export's tensors equal the trainer's served FP8
+    weights (largest difference 0)."""
+    import random
+
+    from embedded.math_task import make_problem
+    from tools.fp8_export import main
+
+    rng = random.Random(5)
+    data = tmp_path / "validation.jsonl"
+    data.write_text("".join(json.dumps({"question": p["question"], "answer": str(p["answer"])}) + "\n"
+                            for p in (make_problem(rng) for _ in range(6))))
+    overrides = ["policy.precision=float32", "policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16=1",
+                 "policy.megatron_cfg.fp8_cfg.pow2_weight_scaling_factors=true",
+                 "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", "policy.generation.max_new_tokens=16",
+                 f"run_dir={tmp_path / 'run'}"]
+    out = tmp_path / "export"
+    rc = main(["export", trained["uri"], str(out), *overrides, "--recipe", str(ROOT / "configs" / "tiny_fp8_e2e.yaml"),
+               "--eval", "--eval-data", str(data), "--eval-prompts", "6"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    line = next(ln for ln in text.splitlines() if ln.startswith("export parity on 6 validation prompts"))
+    assert "identical responses 100.0%" in line and "largest weight difference 0 " in line + " ", line
+    assert "export - policy +0.000 [+0.000, +0.000]" in line, line
+
+
+def test_export_eval_needs_the_recipe(trained, tmp_path, capsys):
+    from tools.fp8_export import main
+
+    assert main(["export", trained["uri"], str(tmp_path / "o"), "--eval"]) == 2
+    assert "--eval needs --layout fp8core" in capsys.readouterr().err and not (tmp_path / "o").exists()
