@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from tasks.context import RunContext
 
 
-
 def _say(msg: str) -> None:
     print(msg, flush=True)
 
@@ -420,7 +419,8 @@ def _finish(run: _Run) -> dict:
         summary.update(mlflow_experiment_id=exp, mlflow_ui_url=ui_url(uri, exp, run_id),
                        mlflow_ui_command=ui_hint(uri))
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    _publish_artifact(run, summary)
+    report = run_report(cfg, summary, val_metrics)
+    _publish_artifact(run, report)
     if uri and run_id:
         if run.val_acc:
             log_metrics(uri, run_id, {"summary/val_accuracy_start": summary["val_accuracy_start"] or 0.0,
@@ -429,7 +429,7 @@ def _finish(run: _Run) -> dict:
                                       "summary/validate_share": summary["validate_share"] or 0.0},
                         cfg.grpo.max_num_steps)
         finish_run(uri, run_id, status=run.status, summary=summary, plot=cfg.logger.plot,
-                   report=run_report(cfg, summary, val_metrics))
+                   report=report)
     return summary
 
 
@@ -464,14 +464,14 @@ def run_report(cfg: Config, s: dict, val_metrics: dict[int, dict]) -> str:
                       *(f"| {k} | {v} |" for k, v in rows)])
 
 
-def _publish_artifact(run: _Run, summary: dict) -> None:
-    """The run's report as a Prefect markdown artifact of this flow run (the Prefect UI's Artifacts tab); a
-    Prefect API that refuses it costs a printed line, not the run."""
+def _publish_artifact(run: _Run, report: str) -> None:
+    """The run's report (:func:`run_report`) as a Prefect markdown artifact of this flow run (the Prefect UI's
+    Artifacts tab); a Prefect API that refuses it costs a printed line, not the run."""
     try:
         from prefect.artifacts import create_markdown_artifact
 
         key = "fp8-grpo-" + "".join(c if c.isalnum() else "-" for c in run.cfg.recipe.lower())
-        create_markdown_artifact(run_report(run.cfg, summary, run.val_metrics), key=key[:100],
+        create_markdown_artifact(report, key=key[:100],
                                  description=f"fp8-grpo run of {run.cfg.recipe}: accuracy, mismatch, step time")
     except Exception as e:  # noqa: BLE001  reporting must not fail a finished run
         _say(f"fp8-grpo: the Prefect artifact was not written ({type(e).__name__}: {e})")

@@ -166,25 +166,21 @@ def rl_step(ctx: RunContext, rows: list[dict], step: int, kv_scales: dict | None
     m["time/share_calibration"] = (m.get("time/calibrate_s", 0.0) + m.get("time/clip_calibration_s", 0.0)) / step_s
     # Orchestration: the step's wall time not spent in the workers' own work (Prefect task/subflow overhead, Ray
     # calls and transfers of the rollout and train tasks, MLflow logging inside the tasks). Refit and KV calibration
-    # are their own budget line (time/share_refit_kv). A rollout generated ahead ran during the previous step: this
-    # step's engine time is the rollouts it generates ahead, which overlap training.
+    # are their own budget line (time/share_refit_kv). A rollout generated ahead ran during an earlier step: the
+    # engines' time in this one is the rollout generated now (if any) plus the rollouts ahead, which overlap training.
     trainer_s = m.get("time/policy_train_s", 0.0) + m.get("time/calibrate_s", 0.0)
-    if next_rows is None and ahead is None:
-        busy = m.get("time/rollout_engine_max_s", 0.0) + trainer_s
-    else:
-        busy = max(trainer_s, sum(b - a for a, b in spans)) + (0.0 if ahead is not None else
-                                                                 m.get("time/rollout_engine_max_s", 0.0))
-    worker_s = m.get("time/refit_s", 0.0) + m.get("time/reward_s", 0.0) + busy
+    ahead_s = sum(b - a for a, b in spans)
+    own_rollout_s = m.get("time/rollout_engine_max_s", 0.0) if version == refit_version else 0.0  # generated now
+    worker_s = m.get("time/refit_s", 0.0) + m.get("time/reward_s", 0.0) + own_rollout_s + max(trainer_s, ahead_s)
     m["time/orchestration_s"] = max(step_s - worker_s, 0.0)
     m["time/share_orchestration"] = m["time/orchestration_s"] / step_s
     m["time/share_refit_kv"] = (m.get("time/refit_s", 0.0) + m.get("time/calibrate_s", 0.0)) / step_s
     m["throughput/samples_per_s"] = len(rewards) / step_s
     if next_rows is not None:
         m["async/rollouts_ahead"] = float(len(aheads))
-        m["async/rollout_ahead_s"] = sum(b - a for a, b in spans)
-        train_s = train_span[1] - train_span[0]
-        m["async/train_overlap_frac"] = _overlap(train_span, spans) / train_s if train_s > 0 else 0.0
-        ahead_s = m["async/rollout_ahead_s"]
-        m["async/rollout_hidden_frac"] = _overlap(train_span, spans) / ahead_s if ahead_s > 0 else 0.0
+        m["async/rollout_ahead_s"] = ahead_s
+        train_s, hidden_s = train_span[1] - train_span[0], _overlap(train_span, spans)
+        m["async/train_overlap_frac"] = hidden_s / train_s if train_s > 0 else 0.0
+        m["async/rollout_hidden_frac"] = hidden_s / ahead_s if ahead_s > 0 else 0.0
     log_metrics(ctx.tracking_uri, ctx.run_id, {k: v for k, v in m.items() if k not in tm}, step)
     return m, (new_scales if new_scales is not None else kv_scales), aheads

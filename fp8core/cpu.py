@@ -331,12 +331,11 @@ def apply_cpu_pin() -> list[int] | None:
         return None
     cpus = sorted({int(v) for v in value.split(",")})
     tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
-    for tid in tids:  # sched_setaffinity(pid) sets one thread: each existing one, then this one last
+    for tid in tids:  # sched_setaffinity(pid) sets one thread: each one of the process, this one among them
         try:
             os.sched_setaffinity(tid, cpus)
         except OSError:  # a thread that ended meanwhile
             pass
-    os.sched_setaffinity(0, cpus)
     return cpus
 
 

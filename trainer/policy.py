@@ -608,11 +608,9 @@ class PolicyWorker:
         if len(later):
             st.old_logp[later], st.ent[later] = self.logprobs(b, want_entropy=True, rows=later)
             st.known[later] = True
-        if self.ref_model is not None:  # reference-policy KL: the frozen initial policy on every row
+        if self.ref_model is not None:  # reference-policy KL: the frozen initial policy on every row (dense only)
             tr = time.perf_counter()
-            measure, self._moe_measure = self._moe_measure, False
             st.kl_ref_logp = self._reference_logprobs(b)
-            self._moe_measure = measure
             st.t_ref = time.perf_counter() - tr
         return st
 
