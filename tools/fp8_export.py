@@ -16,7 +16,11 @@
 * ``--layout vllm``: vLLM's native block-FP8 layout (``quant_method: fp8``, ``weight_block_size: [128, 128]``,
   ``weight_scale_inv``, BF16-kept layers in ``ignored_layers``), blockwise recipes only, for GPU serving with vLLM's
   own kernels. Those quantize activations with their own kernel, so serving is close to, not bit-identical with,
-  the trainer's numerics; vLLM's CPU build cannot run it (its FP8 ops are CUDA kernels).
+  the trainer's numerics; vLLM's CPU build cannot run it (its FP8 ops are CUDA kernels). ``--eval`` loads it with
+  Hugging Face transformers' fine-grained FP8 loader instead (on a CPU it dequantizes the weights to BF16).
+
+``--eval`` (with ``--recipe``, the run's recipe) then loads the export back with a loader that did not write it and
+answers the validation prompts with it and with the checkpoint's own policy (``evaluate``).
 """
 from __future__ import annotations
 
@@ -118,14 +122,18 @@ EVAL_TEMPERATURE = 0.01  # near-greedy, as the flow's validation (vLLM clamps lo
 
 
 def evaluate(checkpoint: str, out: str | Path, *, recipe: str, overrides: list[str] | None = None,
-             eval_data: str | None = None, prompts: int = 200, endpoint_url: str | None = None) -> dict:
-    """Does the export serve what was trained? The rollout engine loads the export with no refit (``--layout
-    fp8core``); a second engine serves the checkpoint's own policy (the trainer built from its FP32 masters, refit as
-    in training). Both answer the same validation prompts near-greedily; returns their accuracies with Wilson 95%
-    CIs, the paired difference with its bootstrap CI, the share of identical responses, and the largest difference
-    between the export's tensors and the trainer's served FP8 weights (codes and scales)."""
+             eval_data: str | None = None, prompts: int = 200, endpoint_url: str | None = None,
+             layout: str = "fp8core") -> dict:
+    """Does the export serve what was trained? The export is loaded back by a loader that did not write it:
+    ``--layout fp8core``: the rollout engine from the export directory, no refit; ``--layout vllm``: Hugging Face
+    transformers' fine-grained FP8 loader (``quant_method: fp8``; on a machine without a GPU it dequantizes the FP8
+    weights to BF16 and runs BF16 activations). A second engine serves the checkpoint's own policy (the trainer built
+    from its FP32 masters, refit as in training). Both answer the same validation prompts (the same token ids)
+    near-greedily; returns their accuracies with Wilson 95% CIs, the paired difference with its bootstrap CI, the
+    share of identical responses, and the largest difference between the loaded weights and the trainer's served FP8
+    weights (fp8core: the tensors themselves, codes and scales; vllm: the loader's weights against the trainer's
+    codes times scales in FP32)."""
     import torch
-    from safetensors.torch import load_file
 
     from configs.schema import EMBEDDED, load_config
     from data.loading import load_split, rows
@@ -137,6 +145,8 @@ def evaluate(checkpoint: str, out: str | Path, *, recipe: str, overrides: list[s
     from storage.checkpoint import CheckpointStore
     from trainer.policy import PolicyWorker
 
+    if layout not in LAYOUTS:
+        raise ValueError(f"--layout {layout!r}: not one of {LAYOUTS}")
     cfg = load_config(recipe, overrides or [])
     path = eval_data or cfg.data.validation_path
     if path == EMBEDDED:
@@ -150,36 +160,108 @@ def evaluate(checkpoint: str, out: str | Path, *, recipe: str, overrides: list[s
     store = CheckpointStore(root, endpoint_url=endpoint_url)
     step = store.latest_step() if step is None else step
 
-    def answer(engine) -> list[dict]:
+    def answer(engine) -> tuple[list[list[int]], list[dict]]:
         texts = engine.render_prompts(fmt, [(r["question"], r["task"]) for r in items])
         outs = engine.generate(texts, n=1, max_tokens=gen.max_new_tokens, temperature=EVAL_TEMPERATURE, seed=0)
-        return [o["samples"][0] for o in outs]
+        return [o["prompt_token_ids"] for o in outs], [o["samples"][0] for o in outs]
 
     with tempfile.TemporaryDirectory() as tmp:
         src = store.download_model(step, tmp)
-        engine = RolloutWorker(out, cfg, run_dir=Path(tmp) / "export-engine")  # the export as it is: no refit
-        try:
-            exported = answer(engine)
-        finally:
-            engine.shutdown()
+        if layout == "fp8core":
+            engine = RolloutWorker(out, cfg, run_dir=Path(tmp) / "export-engine")  # the export as it is: no refit
+            try:
+                exported = answer(engine)[1]
+            finally:
+                engine.shutdown()
         policy = PolicyWorker(src, cfg, run_dir=Path(tmp) / "policy")
         engine = RolloutWorker(src, cfg, run_dir=Path(tmp) / "policy-engine")
         try:
             engine.refit(policy.weights())
-            trained = answer(engine)
+            prompt_ids, trained = answer(engine)
         finally:
             engine.shutdown()
         served = served_state_dict(policy.model, hp_dtype=torch.bfloat16)
-    saved = load_file(str(Path(out) / "model.safetensors"))
-    missing = sorted(set(served) ^ set(saved))
-    max_diff = max(float((served[k].float() - saved[k].float()).abs().max()) for k in served if k in saved)
+    if layout == "fp8core":
+        from safetensors.torch import load_file
+
+        loaded = load_file(str(Path(out) / "model.safetensors"))
+        reference = served
+        loader = "the rollout engine (fp8core method), no refit"
+    else:
+        loaded, exported, loader = _transformers_answers(out, prompt_ids, gen.max_new_tokens)
+        reference = _dequantized(served)
+    missing = sorted(set(reference) ^ set(loaded))
+    max_diff = max(float((reference[k].float() - loaded[k].float()).abs().max()) for k in reference if k in loaded)
+    # the same after rounding the trainer's weights to the loader's dtype: 0 = the loader holds exactly them
+    max_diff_rounded = max(float((reference[k].to(loaded[k].dtype).float() - loaded[k].float()).abs().max())
+                           for k in reference if k in loaded)
     ok_e = [verify(r["task"], s["text"], r["answer"])[1] for r, s in zip(items, exported, strict=True)]
     ok_t = [verify(r["task"], s["text"], r["answer"])[1] for r, s in zip(items, trained, strict=True)]
     diff = paired_bootstrap([float(x) for x in ok_t], [float(x) for x in ok_e])
-    return {"prompts": len(items), "export": accuracy_estimate(ok_e).as_dict(),
+    return {"prompts": len(items), "layout": layout, "loader": loader, "export": accuracy_estimate(ok_e).as_dict(),
             "policy": accuracy_estimate(ok_t).as_dict(), "export_minus_policy": diff.as_dict(),
-            "same_responses": sum(a["token_ids"] == b["token_ids"] for a, b in zip(exported, trained, strict=True))
-            / len(items), "max_weight_diff": max_diff, "keys_not_in_both": missing}
+            "same_responses": sum(a["text"] == b["text"] for a, b in zip(exported, trained, strict=True))
+            / len(items), "max_weight_diff": max_diff, "max_weight_diff_in_loader_dtype": max_diff_rounded,
+            "keys_not_in_both": missing}
+
+
+def _dequantized(served: dict) -> dict:
+    """The served state with every FP8 weight replaced by its codes times its block scales in FP32 (what the
+    trainer's FP8 linear multiplies by) and the scale tensors dropped: the weights a dequantizing loader should
+    hold, up to its own dtype."""
+    from fp8core.quant import QuantizedTensor, dequantize
+    from fp8core.serve import SCALE_SUFFIX
+
+    out = {}
+    for k, t in served.items():
+        if k.endswith(SCALE_SUFFIX):
+            continue
+        scale = served.get(k + SCALE_SUFFIX)
+        out[k] = t.float() if scale is None else dequantize(QuantizedTensor(t, scale, "block128", "e4m3"))
+    return out
+
+
+def _transformers_answers(out: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
+                          batch: int = 32) -> tuple[dict, list[dict], str]:
+    """Load the ``--layout vllm`` export with transformers' fine-grained FP8 loader and answer ``prompt_ids``
+    greedily (batches, left padding). Returns the loaded weights by name, the answers (``token_ids`` up to and
+    including EOS, ``text`` without special tokens) and the loader in words."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, FineGrainedFP8Config
+
+    gpu = torch.cuda.is_available()
+    # without a GPU transformers dequantizes FP8 weights on load; say so rather than rely on its fallback warning
+    kwargs = {} if gpu else {"quantization_config": FineGrainedFP8Config(dequantize=True)}
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16, **kwargs).eval()
+    if gpu:
+        model = model.to("cuda")
+    tok = AutoTokenizer.from_pretrained(str(out))
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [model.config.eos_token_id])
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else min(eos)
+    answers = []
+    for i in range(0, len(prompt_ids), batch):
+        chunk = prompt_ids[i:i + batch]
+        width = max(map(len, chunk))
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for j, p in enumerate(chunk):
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                 do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(eos),
+                                 pad_token_id=pad)
+        for row in gen[:, width:].tolist():
+            toks = []
+            for t in row:
+                toks.append(t)
+                if t in eos:
+                    break
+            answers.append({"token_ids": toks, "text": tok.decode(toks, skip_special_tokens=True)})
+    weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    how = ("FP8 kernels on the GPU" if gpu else "FP8 weights dequantized to BF16 on load, BF16 activations")
+    return weights, answers, f"transformers {__import__('transformers').__version__} fine-grained FP8 ({how})"
 
 
 def _eval_lines(r: dict) -> str:
@@ -190,6 +272,9 @@ def _eval_lines(r: dict) -> str:
             f"checkpoint's policy {est(r['policy'])} | export - policy {r['export_minus_policy']['value']:+.3f} "
             f"[{r['export_minus_policy']['lo']:+.3f}, {r['export_minus_policy']['hi']:+.3f}] | identical responses "
             f"{r['same_responses']:.1%} | largest weight difference {r['max_weight_diff']:.3g}"
+            + (f" ({r['max_weight_diff_in_loader_dtype']:.3g} in the loader's dtype)"
+               if r["layout"] == "vllm" else "")
+            + f" | loaded by {r['loader']}"
             + (f" | tensors in one only: {', '.join(r['keys_not_in_both'][:5])}" if r["keys_not_in_both"] else ""))
 
 
@@ -205,15 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("overrides", nargs="*", help="recipe overrides key=value (with --recipe)")
     ex.add_argument("--endpoint-url", help="S3 endpoint for s3:// checkpoints (credentials from the environment)")
     ex.add_argument("--eval", action="store_true",
-                    help="after exporting, serve the export (no refit) and the checkpoint's own policy on validation "
-                         "prompts and print both accuracies with CIs and the largest weight difference "
-                         "(--layout fp8core; needs --recipe)")
+                    help="after exporting, load the export back (fp8core: the rollout engine, no refit; vllm: "
+                         "transformers' fine-grained FP8 loader), answer validation prompts with it and with the "
+                         "checkpoint's own policy, and print both accuracies with CIs and the largest weight "
+                         "difference (needs --recipe)")
     ex.add_argument("--eval-data", help="validation JSONL/Parquet for --eval (default: the recipe's data.validation_path)")
     ex.add_argument("--eval-prompts", type=int, default=200, help="validation prompts for --eval (default 200)")
     args = ap.parse_args(argv)
-    if args.eval and (args.layout != "fp8core" or not args.recipe):
-        print("fp8_export: --eval needs --layout fp8core (the CPU engine serves it) and --recipe (the run's recipe: "
-              "the engine's settings and the validation set)", file=sys.stderr)
+    if args.eval and not args.recipe:
+        print("fp8_export: --eval needs --recipe (the run's recipe: the engine's settings and the validation set)",
+              file=sys.stderr)
         return 2
     from storage.checkpoint import CheckpointError
 
@@ -227,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval:
         try:
             r = evaluate(args.checkpoint, out, recipe=args.recipe, overrides=args.overrides, eval_data=args.eval_data,
-                         prompts=args.eval_prompts, endpoint_url=args.endpoint_url)
+                         prompts=args.eval_prompts, endpoint_url=args.endpoint_url, layout=args.layout)
         except (ValueError, CheckpointError) as e:
             print(f"fp8_export: {e}", file=sys.stderr)
             return 2
