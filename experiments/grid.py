@@ -103,11 +103,15 @@ class Grid:
 
     def check_configs(self) -> dict[str, object]:
         """Load every arm's config with every seed (bad recipes / overrides fail here, naming the key, before any
-        training); returns arm name -> the config of its first seed."""
+        training, as does ``cluster.pin_cpus`` asking for more CPUs than this machine has); returns arm name -> the
+        config of its first seed."""
+        from cluster.runtime import cpu_pins
+
         out = {}
         for a in self.arms:
             for s in self.seeds:
                 cfg = load_config(a.recipe, [*self.overrides(a), f"grpo.seed={s}"])
+                cpu_pins(cfg)
                 out.setdefault(a.name, cfg)
         return out
 

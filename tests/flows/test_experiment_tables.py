@@ -59,6 +59,11 @@ def test_grid_markers_order_and_validation(tmp_path):
 
     with pytest.raises(ConfigError, match="grpo.max_num_stepz: unknown key"):
         Grid((a,), (0,), tmp_path, common=("grpo.max_num_stepz=3",)).check_configs()
+    import os
+
+    many = len(os.sched_getaffinity(0)) + 1  # pinning more threads than this machine has fails before training
+    with pytest.raises(ConfigError, match="cluster.pin_cpus"):
+        Grid((a,), (0,), tmp_path, common=("cluster.pin_cpus=true", f"policy.threads={many}")).check_configs()
 
 
 def test_seed_statistics():
