@@ -85,7 +85,10 @@ BF16_RECIPE, FP8_RECIPE, FP8_KV_RECIPE = "configs/tiny_bf16.yaml", "configs/tiny
 ROLLOUT_OLD = ("loss_fn.old_logprobs=rollout", "loss_fn.use_importance_sampling_correction=false")
 KEYS = ("clip/lower_neg_adv_frac", "clip/upper_pos_adv_frac", "policy/entropy", "calib/ratio_error_amplification",
         "clip/bound_low", "clip/bound_high", "time/clip_calibration_s", "time/step_s", "calib/step",
-        "calib/bf16_lower_neg_frac", "calib/fp8_lower_neg_frac_at_ref", "calib/fp8_lower_neg_frac_after")
+        "calib/bf16_lower_neg_frac", "calib/fp8_lower_neg_frac_at_ref", "calib/fp8_lower_neg_frac_after",
+        "async/trajectory_age_mean", "mismatch/token_mult_prob_error", "is/frac_truncated", "is/weight_mean")
+# asynchronous runs (grpo.async_grpo): the behaviour policy's distance and what the importance weight does with it
+ASYNC = ("async/trajectory_age_mean", "mismatch/token_mult_prob_error", "is/frac_truncated", "is/weight_mean")
 PAIRED = ("calib/bf16_lower_neg_frac", "calib/fp8_lower_neg_frac_at_ref", "calib/fp8_lower_neg_frac_after")
 
 
@@ -215,6 +218,10 @@ def rows(runs: list[ArmRuns], *, n_boot: int = 2000) -> list[dict]:
             "bound_low_last": mean(_first_last(h)[1] for h in a.hist["clip/bound_low"]),
             "bound_high_last": mean(_first_last(h)[1] for h in a.hist["clip/bound_high"]),
             "step_s": metric_summary(a, "time/step_s"),
+            "async": {k: metric_summary(a, k) for k in ASYNC} if any(a.hist["async/trajectory_age_mean"]) and any(
+                v > 0 for h in a.hist["async/trajectory_age_mean"] for v in h.values()) else None,
+            "mismatch_max": seed_t_interval([max(h.values()) if h else float("nan")
+                                             for h in a.hist["mismatch/token_mult_prob_error"]]),
             "shadow": _shadow(a) if cc else None,
             "wall_s": sum(s["wall_s"] for s in a.summaries) / len(a.summaries)})
     return out
@@ -252,6 +259,21 @@ def table(rs: list[dict], ablation: dict[int, str], missing: list[str], *, n_boo
                 f"| {r['label']} (`{r['arm']}`) | {', '.join(map(str, r['seeds']))} | {pct(pr[PAIRED[0]])} | "
                 f"{pct(pr[PAIRED[1]])} | {fmt_ci(r['over_clip_ratio'], digits=2)}x | {pct(pr[PAIRED[2]])} | "
                 f"{fmt_ci(r['ratio_error_amplification'], digits=2)} |")
+        lines.append("")
+    asyn = [r for r in main if r["async"] is not None]
+    if asyn:
+        lines += ["Asynchronous runs: the behaviour policy (the engine, trajectories k versions old, FP8 numerics in "
+                  "the FP8 arms) against the trainer's policy, and the importance weight pi_old / pi_rollout that "
+                  "corrects both (the PPO ratio itself is taken against the trainer's proximal policy):", "",
+                  "| arm | seeds | trajectory age, mean | token-mult-prob-error, mean [95% CI] | largest per run "
+                  "(mean of seeds) | IS weights truncated | IS weight, mean |", "|---|---|---|---|---|---|---|"]
+        for r in asyn:
+            a = r["async"]
+            lines.append(
+                f"| {r['label']} (`{r['arm']}`) | {', '.join(map(str, r['seeds']))} | "
+                f"{a['async/trajectory_age_mean']['value']:.2f} | "
+                f"{fmt_ci(a['mismatch/token_mult_prob_error'], digits=4)} | {r['mismatch_max']['value']:.3f} | "
+                f"{pct(a['is/frac_truncated'])} | {fmt_ci(a['is/weight_mean'], digits=4)} |")
         lines.append("")
     if ablation:
         lines += ["Calibration-interval ablation (Calibrated Clipping, shadow pass = BF16 forwards of the old and the "

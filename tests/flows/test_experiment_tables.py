@@ -191,7 +191,10 @@ def test_paper_study_tables_and_shadow_cost(tmp_path):
 
     val = {0: [0, 0, 0, 0], 6: [1, 1, 0, 0]}
     _fake_run(g, arms[0], 0, uri, val, metrics(0.01))
-    _fake_run(g, arms[1], 0, uri, {0: [0, 0, 0, 0], 6: [1, 0, 0, 0]}, metrics(0.04))
+    asyn = {"async/trajectory_age_mean": {s: float(s > 1) for s in steps},  # step 1 is synchronous
+            "mismatch/token_mult_prob_error": {s: 1.5 if s == 3 else 1.01 for s in steps},
+            "is/frac_truncated": dict.fromkeys(steps, 0.002), "is/weight_mean": dict.fromkeys(steps, 0.999)}
+    _fake_run(g, arms[1], 0, uri, {0: [0, 0, 0, 0], 6: [1, 0, 0, 0]}, {**metrics(0.04), **asyn})
     _fake_run(g, arms[2], 0, uri, val, metrics(0.012, amp=1.0, cal_steps=(2, 4, 6)), wall_s=40.0)
     _fake_run(g, arms[3], 0, uri, val, metrics(0.011, amp=2.0, cal_steps=steps, cal_s=1.0), wall_s=60.0)
     out = run_grid(g, experiment="t-ps", tracking_uri=uri, train=False,
@@ -211,6 +214,10 @@ def test_paper_study_tables_and_shadow_cost(tmp_path):
     assert cc["paired"]["calib/fp8_lower_neg_frac_at_ref"]["value"] == pytest.approx(0.07 / 3)
     assert cc["over_clip_ratio"]["value"] == pytest.approx(0.07 / 0.03)
     assert rows["fp8-blockwise"]["paired"] is None
+    # asynchronous section: only runs whose trajectories were older than 0 steps; mismatch mean (5 x 1.01 + 1.5) / 6
+    assert rows["bf16"]["async"] is None and rows["fp8-blockwise"]["mismatch_max"]["value"] == pytest.approx(1.5)
+    assert ("| FP8 blockwise (`fp8-blockwise`) | 0 | 0.83 | 1.0917 | 1.500 | 0.20% | 0.9990 |"
+            in out["table"].split("Asynchronous runs")[1])
     t = out["table"]
     main_table, abl_table = t.split("Calibration-interval ablation")
     over = main_table.split("Over-clipping on the same tokens")[1]
