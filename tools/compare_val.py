@@ -8,12 +8,17 @@ run_dir/summary.json), with 95% paired-bootstrap intervals over prompts and seed
 
 ``gain``: per run, the per-prompt correctness at ``--end`` minus at ``--start`` (same prompts), runs as strata.
 ``diff``: runs of the two arms in the same seed order (B1 with C1, ...), candidate minus base per prompt.
+
+The bootstrap interval resamples prompts within the given runs, so it answers "on these seeds"; with two runs or more
+the line also gives a Student-t interval over the runs' per-seed differences, which answers "over training seeds" and
+is the one to read when the seed SD is larger than the prompt noise (a few seeds give a wide one).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -71,6 +76,16 @@ def diff(base: list[str], cand: list[str], *, set_name: str = "main", end: str =
     return paired_bootstrap(a, b, n_boot=n_boot, shared_prompts=len({len(r) for r in a}) == 1)
 
 
+def over_seeds(e, n_runs: int) -> tuple[float, float]:
+    """Student-t interval of the mean over ``n_runs`` per-seed values from ``e``'s mean and seed SD (nan with one)."""
+    if n_runs < 2 or math.isnan(e.seed_sd):
+        return float("nan"), float("nan")
+    from scipy.stats import t
+
+    half = float(t.ppf(0.5 + e.confidence / 2, n_runs - 1)) * e.seed_sd / math.sqrt(n_runs)
+    return e.value - half, e.value + half
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.compare_val", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -86,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--end", default="last")
         p.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    n_runs = len(args.runs) if args.cmd == "gain" else len(args.base.split(","))
     if args.cmd == "gain":
         e = gain(args.runs, set_name=args.set, start=args.start, end=args.end)
         what = f"gain ({args.end} - {args.start}) on {args.set}, {len(args.runs)} run(s)"
@@ -94,11 +110,13 @@ def main(argv: list[str] | None = None) -> int:
                  mean_over_steps=args.mean_over_steps)
         what = f"cand - base on {args.set}" + (" (mean over validations after step 0)" if args.mean_over_steps else
                                                f" at step {args.end}")
+    lo, hi = over_seeds(e, n_runs)
     if args.json:
-        print(json.dumps({"what": what, **e.as_dict()}))
+        print(json.dumps({"what": what, **e.as_dict(), "seeds": n_runs, "seeds_lo": lo, "seeds_hi": hi}))
     else:
+        seeds = f"; over the {n_runs} seeds [t 95% CI {lo:+.4f}, {hi:+.4f}]" if n_runs > 1 else ""
         print(f"{what}: {e.value:+.4f} [95% CI {e.lo:+.4f}, {e.hi:+.4f}] over {e.n} prompt-runs; "
-              f"seed SD {e.seed_sd:.4f}")
+              f"seed SD {e.seed_sd:.4f}{seeds}")
     return 0
 
 
