@@ -123,7 +123,7 @@ def test_ray_temp_dir_fits_unix_socket_limit(monkeypatch, tmp_path):
 
     monkeypatch.delenv("RAY_TMPDIR", raising=False)
     assert ray_temp_dir(Path("/r")) == "/r/ray"
-    long_dir = Path("/work/main/runs/smoke_tiny_fp8_tensorwise_cc")  # 48 bytes with /ray: too long for Ray
+    long_dir = Path("/home/user/runs/smoke_tiny_fp8_tensorwise_cc")  # 48 bytes with /ray: too long for Ray
     tmp = ray_temp_dir(long_dir)
     socket = f"{tmp}/session_2026-11-29_09-35-28_297401_31018/sockets/plasma_store"
     assert tmp.startswith("/tmp/ray-") and len(socket) <= 107
