@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers / torchao load
+import process.quiet  # noqa: F401  third-party start-up noise off before transformers / torchao load
 from bench.workload import ROOT
 from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result
 

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps: {a.steps} must be >= 1")
     import ray
 
-    import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads
+    import process.quiet  # noqa: F401  third-party start-up noise off before transformers loads
     from cluster.runtime import init_ray
     from configs.schema import load_config
 

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     worlds = parse_worlds(p, a.worlds)
     if a.steps < 1:
         p.error(f"--steps: {a.steps} must be >= 1")
-    import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads
+    import process.quiet  # noqa: F401  third-party start-up noise off before transformers loads
     origin = stamp("bench.memory", argv)
     try:  # a bad recipe or override fails here, in one line, before any model is built
         config(a.recipe, 1, a.overrides)

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             load_config(ROOT / r, [*a.overrides, PACKED])
         except (ValueError, OSError) as e:
             p.error(f"{r}: {str(e).splitlines()[0]}")
-    import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads
+    import process.quiet  # noqa: F401  third-party start-up noise off before transformers loads
     origin = stamp("bench.packing", argv)
     results = [measure(r, a.steps, a.max_new_tokens, a.task, a.overrides, a.spread) for r in recipes]
     out = table(results)

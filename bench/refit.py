@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
-    from cluster.env import apply_env
+    from process.env import apply_env
 
     apply_env(run_dir)
     from configs.schema import standalone_engine_config

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         layouts.append((n, m))
     if a.baseline_tree is not None and not (a.baseline_tree / "flows" / "grpo.py").is_file():
         p.error(f"--baseline-tree: {a.baseline_tree} is not a checkout of this project (no flows/grpo.py)")
-    import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads
+    import process.quiet  # noqa: F401  third-party start-up noise off before transformers loads
     origin = stamp("bench.scaling", argv)  # the code that runs, before the measurement
     from embedded.bootstrap import default_sft, ensure_default_assets
 

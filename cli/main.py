@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import cluster.quiet  # noqa: F401  third-party start-up noise off before torch / transformers load
+import process.quiet  # noqa: F401  third-party start-up noise off before torch / transformers load
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = ("async_grpo", "cost", "gemm", "layouts", "memory", "packing", "scaling")

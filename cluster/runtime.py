@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.env import cache_env
 from configs.schema import Config
+from process.env import cache_env
 
 NAMESPACE = "fp8-grpo"
 

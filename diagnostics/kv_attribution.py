@@ -35,11 +35,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import cluster.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / vLLM load
-from cluster.env import apply_env
+import process.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / vLLM load
 from configs.schema import Config, config_from_dict, load_config
 from diagnostics.mismatch import ROOT, fp8_overrides, sample, without_fp8_kv
 from fp8core.linear import RECIPES
+from process.env import apply_env
 from trainer.kv_rounding import _Saturation, kv_rounding
 
 REFERENCE = "(engine without FP8 KV cache, same prompts, other seed)"

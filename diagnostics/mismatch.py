@@ -31,10 +31,10 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import cluster.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / vLLM load
-from cluster.env import apply_env
+import process.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / vLLM load
 from configs.schema import Config, load_config
 from fp8core.linear import RECIPES
+from process.env import apply_env
 from tools.results import add_results_doc_args, format_result, results_doc, stamp
 
 ROOT = Path(__file__).resolve().parents[1]

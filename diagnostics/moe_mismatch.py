@@ -24,10 +24,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import cluster.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / vLLM load
-from cluster.env import apply_env
+import process.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / vLLM load
 from configs.schema import Config, load_config
 from diagnostics.mismatch import CONFIGS, ROOT, describe, task_prompts, warm_start
+from process.env import apply_env
 
 RECIPES = {"dense/bf16": "tiny_bf16.yaml", "dense/fp8": "tiny_fp8_e2e.yaml", "moe/bf16": "tiny_moe_bf16.yaml",
            "moe/fp8": "tiny_moe_fp8_e2e.yaml"}

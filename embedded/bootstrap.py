@@ -95,7 +95,7 @@ def sft_bootstrap(model_dir: str | Path, train_path: str | Path, out_dir: str | 
         opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)) * max(0.05, 1 - s / max(1, cfg.steps)))
     pad = tokenizer.pad_token_id
     t0 = time.perf_counter()
-    from tools.progress import progress
+    from process.progress import progress
 
     bar = progress(range(cfg.steps), desc="SFT warm start", unit="step")  # a terminal gets a bar, a log the lines
     for step in bar:

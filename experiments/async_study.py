@@ -24,7 +24,7 @@ if __name__ == "__main__":  # as flows/grpo.py: Prefect reads its home at import
 
 from prefect import flow  # noqa: E402
 
-import cluster.quiet  # noqa: E402,F401
+import process.quiet  # noqa: E402,F401
 from configs.schema import load_config  # noqa: E402
 from experiments.grid import (  # noqa: E402
     Arm,

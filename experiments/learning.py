@@ -29,7 +29,7 @@ if __name__ == "__main__":  # as flows/grpo.py: Prefect reads its home at import
 
 from prefect import flow  # noqa: E402
 
-import cluster.quiet  # noqa: E402,F401  third-party start-up noise off (cluster/quiet.py)
+import process.quiet  # noqa: E402,F401  third-party start-up noise off (process/quiet.py)
 from configs.schema import load_config  # noqa: E402
 from experiments.grid import Arm, Grid, history, log_report, mean, run_grid, val_correct  # noqa: E402
 from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-import cluster.quiet  # noqa: F401  third-party start-up noise off before transformers loads (cluster/quiet.py)
+import process.quiet  # noqa: F401  third-party start-up noise off before transformers loads (process/quiet.py)
 
 
 @task(name="ensure-default-assets", cache_policy=NO_CACHE)

@@ -41,7 +41,7 @@ if __name__ == "__main__":  # before Prefect is imported
 
 from prefect import flow  # noqa: E402
 
-import cluster.quiet  # noqa: E402,F401  third-party start-up noise off before transformers / torchao / MLflow load
+import process.quiet  # noqa: E402,F401  third-party start-up noise off before transformers / torchao / MLflow load
 from configs.schema import EMBEDDED, Config, load_config, to_yaml  # noqa: E402
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class _Run:
     started_ray: bool = False
     workers: Any = None
     ctx: RunContext | None = None
-    hooks: Any = None  # TEST-ONLY (cluster.faults.TestHooks), None unless testing.* keys are set
+    hooks: Any = None  # TEST-ONLY (process.faults.TestHooks), None unless testing.* keys are set
     kv_scales: dict | None = None  # FP8 KV cache: the last calibration's scales, handed to every refit
     status: str = "FAILED"
     val_acc: dict[int, float] = field(default_factory=dict)
@@ -111,7 +111,7 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     import ray
 
     from cluster.runtime import init_ray, stop_workers
-    from cluster.watchdog import start_watchdog
+    from process.watchdog import start_watchdog
 
     start_watchdog()  # after this process ends (even by kill -9), whatever it started is ended too
 
@@ -146,10 +146,10 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
 def _open_run(config_path: str, overrides: list[str] | None) -> _Run:
     """Load + validate the recipe (bad keys/types/combinations fail here), make the run dir (the run's environment,
     Ray token auth, config.resolved.yaml), check the evaluation-set paths and print the recipe and CPU lines."""
-    from cluster.env import apply_env
     from cluster.runtime import cpu_pins, ray_auth
     from data.eval_sets import check_eval_paths
     from fp8core.cpu import cpu_caps, describe
+    from process.env import apply_env
 
     t_start = time.perf_counter()
     cfg = load_config(config_path, list(overrides or []))
@@ -205,7 +205,7 @@ def _assets_and_data(run: _Run) -> None:
     run.val_rows = run.data.validation_rows(cfg.grpo.max_val_samples)
     run.eval_rows = load_eval_sets(cfg)  # evaluation.sets: a missing file / column fails here, naming the key
     PromptFormat.from_config(cfg.data)  # data.system_prompt_file / prompt_file: a missing file fails here too
-    from cluster.faults import TestHooks
+    from process.faults import TestHooks
 
     run.hooks = TestHooks.from_config(cfg, run.run_dir)  # TEST-ONLY faults (None in a real run): loud warnings
     for line in run.hooks.announcements() if run.hooks is not None else ():

@@ -37,7 +37,7 @@ if __name__ == "__main__":  # as flows/grpo.py: Prefect reads its home at import
 
 from prefect import flow  # noqa: E402
 
-import cluster.quiet  # noqa: E402,F401  third-party start-up noise off (cluster/quiet.py)
+import process.quiet  # noqa: E402,F401  third-party start-up noise off (process/quiet.py)
 from configs.schema import load_config  # noqa: E402
 
 

@@ -66,11 +66,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import cluster.quiet  # noqa: F401  third-party start-up noise off before vLLM / transformers / torchao load
-from cluster.env import apply_env
+import process.quiet  # noqa: F401  third-party start-up noise off before vLLM / transformers / torchao load
 from configs.schema import Config
 from fp8core.cpu import cpu_caps_dict, usable_threads
 from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
+from process.env import apply_env
 from storage.hub import local_model_dir
 
 if TYPE_CHECKING:
@@ -238,13 +238,13 @@ class RolloutWorker:
         self._resolve_modes()
         self._check_kv_budget()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        apply_env(self.run_dir)  # the run environment (cluster.env: one place); existing values win
+        apply_env(self.run_dir)  # the run environment (process.env: one place); existing values win
         self._kv_scales: dict[str, list[float]] | None = None
         self._last_stats = {"tokens_per_s": None, "generated_tokens": 0, "wall_s": None}
         self._last_refit_s: float | None = None
         self._weights_version: int | None = None  # the policy step of the loaded weights (None: model_dir's)
-        # TEST-ONLY hooks (cluster/faults.py): None unless the recipe sets testing.* keys
-        from cluster.faults import TestHooks
+        # TEST-ONLY hooks (process/faults.py): None unless the recipe sets testing.* keys
+        from process.faults import TestHooks
 
         self.hooks = TestHooks.from_config(cfg, self.run_dir)
         # vllm_cfg.threads (the actor's OMP_NUM_THREADS), at most one per CPU this process may use; the engine keeps

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from cluster.faults import TestHooks
 from configs.schema import GenerationCfg
 from data.prompt import PromptFormat
+from process.faults import TestHooks
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class RunContext:
     eval: EvalParams = EvalParams(n=0, ks=(), max_prompts=0, n_boot=2000)
     policy_ranks: tuple[str, ...] = ()  # every data-parallel trainer, rank 0 (``policy``) first; () = just ``policy``
     rollout_max_restarts: int = 0  # cluster.rollout_max_restarts: steps broken by a dead engine are redone this often
-    hooks: TestHooks | None = None  # TEST-ONLY faults (cluster/faults.py): None unless testing.* keys are set
+    hooks: TestHooks | None = None  # TEST-ONLY faults (process/faults.py): None unless testing.* keys are set
 
     @property
     def trainers(self) -> tuple[str, ...]:

@@ -10,9 +10,9 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from cluster.faults import arm_kill
 from cluster.runtime import actor, await_actors, dead_actors, get, policy_call, policy_refs, split_groups, wait
 from embedded.verifiers import verify
+from process.faults import arm_kill
 from tasks.context import RunContext
 from tasks.tracking import log_metrics
 
@@ -68,7 +68,7 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     ranges = split_groups(len(prompts), len(ctx.rollouts))
     engines = [actor(name) for name in ctx.rollouts[:len(ranges)]]
     if _fault_due(ctx, "kill_rollout", step):
-        get(engines[0].__ray_call__.remote(arm_kill))  # TEST-ONLY: engine 0 dies mid-rollout (cluster/faults.py)
+        get(engines[0].__ray_call__.remote(arm_kill))  # TEST-ONLY: engine 0 dies mid-rollout (process/faults.py)
     n = ctx.group_size
     parts = [e.generate.remote(prompts[a:b], n=n, max_tokens=g.max_new_tokens, temperature=g.temperature,
                                top_p=g.top_p, seed=seed + a * n, weights_version=weights_version,
@@ -162,7 +162,7 @@ def _generate_rows(ctx: RunContext, rows: list[dict], *, n: int, temperature: fl
     refs = [actor(ctx.rollouts[k]).generate.remote(
                 prompts[i:j], n=n, max_tokens=ctx.gen.max_new_tokens, temperature=temperature, top_p=top_p,
                 seed=seed0 + i * n) for k, i, j in calls]
-    from tools.progress import progress
+    from process.progress import progress
 
     out = []
     with progress(total=len(prompts), desc=desc or "validation", unit="prompt") as bar:  # a bar on a terminal only

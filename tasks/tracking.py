@@ -15,7 +15,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from cluster.signals import signals_held
+from process.signals import signals_held
 
 _SECRET = re.compile(r"(secret|password|token|credential|access_key|session_key)", re.I)
 

@@ -51,7 +51,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # as cluster.env sets for runs
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # as process.env sets for runs
 # Every Ray the tests start runs with token auth (as the pipeline's do): one random token per pytest session, in a
 # 0600 file under runs/test-env (per process: concurrent sessions must not replace each other's token), removed at exit.
 from cluster.runtime import write_token_file  # noqa: E402
@@ -62,7 +62,7 @@ os.environ["RAY_AUTH_TOKEN_PATH"] = str(write_token_file(_AUTH_DIR))
 os.environ.pop("RAY_AUTH_TOKEN", None)
 atexit.register(shutil.rmtree, _AUTH_DIR, True)
 os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # as cluster.env sets for runs: no telemetry calls
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # as process.env sets for runs: no telemetry calls
 
 # FP8GRPO_CPU_CAP=avx2|avx512|avx512_bf16|amx runs the whole suite as on that CPU kind: applied here, before any test
 # imports vLLM (its kernels and FP8-KV support are picked from torch.cpu's probes); a no-op without the variable.

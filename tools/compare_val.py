@@ -22,7 +22,7 @@ import math
 import sys
 from pathlib import Path
 
-import cluster.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / torchao load
+import process.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / torchao load
 from fp8core.stats import paired_bootstrap
 
 

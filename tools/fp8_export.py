@@ -32,7 +32,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-import cluster.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / torchao load
+import process.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / torchao load
 
 LAYOUTS = ("fp8core", "vllm")
 

@@ -22,7 +22,7 @@ import re
 import sys
 import time
 
-import cluster.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / torchao load
+import process.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / torchao load
 
 
 def _token_index(offsets, char: int) -> int | None:

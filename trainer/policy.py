@@ -239,8 +239,8 @@ class PolicyWorker:
             ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"))
         self.skipped_updates = 0
         self.step = 0  # RL steps completed
-        # TEST-ONLY hooks (cluster/faults.py): None unless the recipe sets testing.* keys or a test installs them
-        from cluster.faults import TestHooks
+        # TEST-ONLY hooks (process/faults.py): None unless the recipe sets testing.* keys or a test installs them
+        from process.faults import TestHooks
 
         self.hooks = TestHooks.from_config(cfg, self.run_dir)
 

@@ -142,9 +142,9 @@ READERS = {
     "evaluation.sampled_sets": ("tasks/context.py", "ev.sampled_sets"),
     "evaluation.sampled_when": ("flows/grpo.py", "cfg.evaluation.sampled_when"),
     "evaluation.bootstrap_samples": ("tasks/context.py", "ev.bootstrap_samples"),
-    "testing.fault_val_accuracy_drop": ("cluster/faults.py", "val_accuracy_drop=t.fault_val_accuracy_drop"),  # TEST-ONLY
-    "testing.fault_kill_rollout_at_step": ("cluster/faults.py", "kill_rollout_at_step=t.fault_kill_rollout_at_step"),  # TEST-ONLY
-    "testing.fault_kill_policy_at_step": ("cluster/faults.py", "kill_policy_at_step=t.fault_kill_policy_at_step"),  # TEST-ONLY
+    "testing.fault_val_accuracy_drop": ("process/faults.py", "val_accuracy_drop=t.fault_val_accuracy_drop"),  # TEST-ONLY
+    "testing.fault_kill_rollout_at_step": ("process/faults.py", "kill_rollout_at_step=t.fault_kill_rollout_at_step"),  # TEST-ONLY
+    "testing.fault_kill_policy_at_step": ("process/faults.py", "kill_policy_at_step=t.fault_kill_policy_at_step"),  # TEST-ONLY
     "ray.address": ("cluster/runtime.py", "cfg.ray.address"),
     "ray.num_cpus": ("cluster/runtime.py", "cfg.ray.num_cpus"),
     "ray.auth_token_path": ("cluster/runtime.py", "cfg.ray.auth_token_path"),

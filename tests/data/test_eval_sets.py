@@ -90,7 +90,7 @@ def test_bad_sets_fail_naming_the_key(tmp_path):
 
 
 def test_set_metrics_and_fault():
-    from cluster.faults import TestHooks
+    from process.faults import TestHooks
     from tasks.context import EvalParams
     from tasks.rl import _set_metrics
 

@@ -24,7 +24,7 @@ def _env(tmp_path):
 
 @pytest.mark.slow
 def test_the_noise_exists_without_the_filters(tmp_path):
-    """The check below can fail: loading a model in a fresh process without cluster.quiet prints the noise."""
+    """The check below can fail: loading a model in a fresh process without process.quiet prints the noise."""
     from embedded.tiny_model import TinyModelSpec, build_tiny_model
 
     model = build_tiny_model(tmp_path / "m", TinyModelSpec())
@@ -35,7 +35,7 @@ def test_the_noise_exists_without_the_filters(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout + out.stderr
     assert "Loading weights" in text and "Failed to load" in text and "register_constant()" in text
-    quiet = subprocess.run([sys.executable, "-c", "import cluster.quiet\n" + code], cwd=ROOT, env=_env(tmp_path),
+    quiet = subprocess.run([sys.executable, "-c", "import process.quiet\n" + code], cwd=ROOT, env=_env(tmp_path),
                            capture_output=True, text=True, timeout=300)
     assert quiet.returncode == 0 and not [n for n in NOISE if n in quiet.stdout + quiet.stderr], quiet.stderr
 

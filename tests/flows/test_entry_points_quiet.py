@@ -1,9 +1,9 @@
-"""Every command-line entry point imports cluster.quiet before torch / transformers / torchao load, so a start prints
+"""Every command-line entry point imports process.quiet before torch / transformers / torchao load, so a start prints
 none of torchao's ``Failed to load ..._C*.so`` lines and none of torch's pytree ``register_constant()`` deprecation
 warnings -- while the project's own warnings and log lines still print.
 
 ``--help`` shows what a user sees first. ``import <entry>; import transformers.modeling_utils`` is the real trigger:
-it loads torchao, as a model load does a moment later in each command; without cluster.quiet it prints four lines."""
+it loads torchao, as a model load does a moment later in each command; without process.quiet it prints four lines."""
 import os
 import subprocess
 import sys
@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 NOISE = ("torchao", "pytree", "Warning", "Failed to load", "register_constant()")
-# the switches cluster.quiet sets; stripped so a subprocess starts as a user's shell does
+# the switches process.quiet sets; stripped so a subprocess starts as a user's shell does
 QUIET_ENV = ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
 ENTRY_MODULES = ["flows.grpo", "flows.regression", "tools.fp8_export", "tools.compare_val", "tools.warm_start",
                  "bench.__main__", "rollout.engine", "experiments.learning", "experiments.paper_study",

@@ -10,7 +10,7 @@ two data-parallel trainer ranks and both faults (3 runs in all: a reference, the
   resumes with any number of ranks (2 -> 1 here, 2 -> 2 in tests/trainer/test_dp_policy.py).
 
 The kills are the TEST-ONLY ``testing.fault_kill_*_at_step`` knobs: the worker SIGKILLs its own process at a known
-point (cluster/faults.py), once per run dir."""
+point (process/faults.py), once per run dir."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_engine_killed_step_is_redone_then_trainer_killed_stops_fast_and_resumes
 
 
 def test_fault_markers_claim_once(tmp_path):
-    from cluster.faults import claim_once
+    from process.faults import claim_once
 
     assert claim_once(tmp_path, "kill_rollout", 2)
     assert not claim_once(tmp_path, "kill_rollout", 2)
@@ -129,8 +129,8 @@ def test_fault_markers_claim_once(tmp_path):
 def test_no_fault_is_due_when_the_knobs_are_off(tmp_path):
     """Knobs at 0 (every real run) never fire, also not at the step-0 rollout of the initial KV calibration (a bug
     that once SIGKILLed the engine of every FP8-KV run); a set knob fires once, at its step."""
-    from cluster.faults import TestHooks
     from configs.schema import Config
+    from process.faults import TestHooks
     from tasks.rl import _fault_due
 
     class Ctx:

@@ -1,5 +1,5 @@
 """Reliability: after ``kill -9`` of the driver alone (its first checkpoint written), the run's watchdog
-(cluster/watchdog.py) ends everything the driver had started (Ray, its actors and their vLLM engines, the run's
+(process/watchdog.py) ends everything the driver had started (Ray, its actors and their vLLM engines, the run's
 temporary Prefect server) within 30 s, and the run resumes at the next step in the same MLflow run with a continuous
 step counter, ignoring checkpoints without a manifest; storage errors while writing a checkpoint
 are retried and a write that keeps failing leaves nothing resume would load; bad input fails with a clear error

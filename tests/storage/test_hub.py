@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _hub import add_model, add_snapshot  # noqa: E402
 
-from cluster.env import apply_env, cache_env  # noqa: E402
 from configs.schema import ConfigError, config_from_dict  # noqa: E402
+from process.env import apply_env, cache_env  # noqa: E402
 from storage.hub import hub_cache_dir, hub_dataset, local_model_dir, resolve, resolve_config  # noqa: E402
 
 

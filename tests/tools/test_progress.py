@@ -10,7 +10,7 @@ import termios
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SNIPPET = ("from tools.progress import progress\n"
+SNIPPET = ("from process.progress import progress\n"
            "for _ in progress(range(3), desc='phase', unit='step'):\n    pass\nprint('done')\n")
 
 

@@ -112,8 +112,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _grads_and_metrics(names, rollouts, step=1):
-    from cluster.faults import TestHooks
     from cluster.runtime import policy_call
+    from process.faults import TestHooks
 
     policy_call(names, "__ray_call__", lambda self: setattr(self, "hooks", TestHooks(record_gradients=True)))
     m = policy_call(names, "train_step", rollouts, REWARDS, step=step)
@@ -283,8 +283,8 @@ def test_ranks_gather_one_layer_at_a_time(tmp_path, ray_local):
     try:
         import ray
 
-        from cluster.faults import TestHooks
         from cluster.runtime import policy_refs
+        from process.faults import TestHooks
 
         for names in (two, ac):
             policy_call(names, "__ray_call__", _install_gather_probe)

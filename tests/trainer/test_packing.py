@@ -100,7 +100,7 @@ def test_packed_training_step_equals_the_padded_one(model_dir, numerics):  # noq
     over = {**NUMERICS[numerics][0], "policy.train_global_batch_size": 4, "policy.train_micro_batch_size": 2}
     padded = PolicyWorker(model_dir, _cfg(**over))
     packed = PolicyWorker(model_dir, _cfg(**over, **PACKED, **{"policy.sequence_packing.train_mb_tokens": 256}))
-    from cluster.faults import TestHooks
+    from process.faults import TestHooks
 
     def first_update_gradients(worker):  # the step's first update (the same weights on both sides), before clipping
         worker.hooks = TestHooks(record_gradients=True)

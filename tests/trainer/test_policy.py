@@ -344,7 +344,7 @@ AC_REWARDS = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
 def _step_with_gradients(model_dir, over: dict, ro=None):
     """One train_step (two optimizer updates of two micro-batches each): the worker, its metrics and the full
     gradients of every update (before clipping)."""
-    from cluster.faults import TestHooks
+    from process.faults import TestHooks
 
     w = PolicyWorker(model_dir, _cfg(**over))
     ro = _rollouts(w) if ro is None else ro

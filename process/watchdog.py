@@ -4,7 +4,7 @@ Ray's GCS / raylet / agents and actor processes, vLLM engines in them), then exi
 
     start_watchdog()        # from the driver; once per process (python -m flows.grpo, a Prefect flow-run process)
 
-The watchdog is its own small process (``python -m cluster.watchdog PID START``, stdlib only, own session so a kill
+The watchdog is its own small process (``python -m process.watchdog PID START``, stdlib only, own session so a kill
 of the driver's process group spares it). Every ``POLL_S`` it records the parent's descendants (PID + start time
 from /proc, so a reused PID is never signalled). When the parent is gone it sends SIGTERM to the recorded processes
 and to their own descendants, waits up to ``GRACE_S``, then SIGKILLs what is left. A process the parent started
@@ -97,7 +97,7 @@ def start_watchdog() -> int | None:
     st = start_time(me)
     if st is None:
         return None
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.watchdog", str(me), st],
+    proc = subprocess.Popen([sys.executable, "-m", "process.watchdog", str(me), st],
                             cwd=str(Path(__file__).resolve().parents[1]), stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     _started[me] = proc.pid

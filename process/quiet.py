@@ -17,7 +17,7 @@ What a run printed before this module, and where each line comes from:
 
 Only logger levels and environment switches are touched (before the imports that print), never our own output,
 stdout or stderr: errors and real warnings from these libraries still show. ``quiet_third_party()`` is idempotent and
-runs on import of this module, so ``import cluster.quiet`` first thing in a process (the CLI, each Ray actor's
+runs on import of this module, so ``import process.quiet`` first thing in a process (the CLI, each Ray actor's
 module) is enough.
 """
 
