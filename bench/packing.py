@@ -33,7 +33,7 @@ def workload(task: str, max_new_tokens: int):
     """The bench's batch on ``task``'s embedded assets (built when missing) and that task's reward."""
     from bench.workload import Workload
     from embedded.bootstrap import ensure_default_assets
-    from embedded.tasks import get_task
+    from rewards.registry import get_task
 
     if task == "arithmetic":
         return replace(default_workload(), max_new_tokens=max_new_tokens), reward

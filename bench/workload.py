@@ -58,6 +58,6 @@ def step_rows(w: Workload, step: int) -> list[dict]:
 
 
 def reward(text: str, answer: str) -> float:
-    from embedded.math_task import reward as math_reward
+    from rewards.math_task import reward as math_reward
 
     return float(math_reward(text, answer))

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import yaml
 
 EMBEDDED = "embedded"  # policy.model_name / data paths: use the project's tiny model and synthetic math task
-DEFAULT_TASK = "addition"  # data.task when the recipe names none (the embedded tasks: embedded/tasks.py)
+DEFAULT_TASK = "addition"  # data.task when the recipe names none (the embedded tasks: rewards/registry.py)
 
 
 class ConfigError(ValueError):
@@ -276,7 +276,7 @@ class DataCfg:
     """Train / validation files (jsonl or parquet, file:// or s3://) or hub datasets ``ORG/NAME[@REVISION]`` found in
     the Hugging Face cache (storage/hub.py; ``train_split`` / ``validation_split`` and ``subset`` pick the rows; a path
     with a data-file suffix, a URI or an existing local path is a file). ``embedded`` = the synthetic task named by
-    ``task``, which also picks the verifier (embedded/verifiers.py): ``addition`` (default; column-by-column scratchpad,
+    ``task``, which also picks the verifier (rewards/verifiers.py): ``addition`` (default; column-by-column scratchpad,
     strict ``\\boxed{}`` at the end) or ``arithmetic`` (one-fact word problems; also the GSM8K / OpenMathInstruct
     verifier: last ``\\boxed{}`` or last number)."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from configs.schema import EMBEDDED, Config, ConfigError, embedded_set_digits
 from data.loading import DataError, load_split, rows
-from embedded import addition_task
+from rewards import addition_task
 
 EMBEDDED_SET_SEED = 9_000  # + N: the rows of embedded:digits<N> are the same on every machine
 EMBEDDED_SET_ROWS = 1_000  # rows written per embedded set (a set uses its first evaluation.sets[i].max_samples)

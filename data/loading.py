@@ -215,7 +215,7 @@ def load_data(path: str, data_cfg, *, key: str, split_key: str, split: str, allo
 def rows(ds, *, question_key: str, answer_key: str, indices, task: str | None = None) -> list[dict]:
     """Rows as {'id', 'question', 'answer'} dicts (answers as strings; ``id`` = the row's index in the file, so
     per-prompt results pair across runs) for the given indices; with ``task`` each row also carries it
-    (``data.task``: the task whose reward scores its responses, embedded/tasks.py)."""
+    (``data.task``: the task whose reward scores its responses, rewards/registry.py)."""
     idx = [int(i) for i in indices]
     sub = ds.select(idx)
     extra = {} if task is None else {"task": task}

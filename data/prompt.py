@@ -5,7 +5,7 @@ generation prompt); a tokenizer without a template gets them as plain text, syst
 (``data.*``):
 
 * ``system_prompt``: the system turn's text; ``system_prompt_file``: the same from a text file. Neither set: the
-  row's task's own system prompt (``data.task``, or an evaluation set's ``task``: embedded/tasks.py). An empty
+  row's task's own system prompt (``data.task``, or an evaluation set's ``task``: rewards/registry.py). An empty
   string means no system turn.
 * ``prompt_file``: a text file with the user turn's template; ``{question}`` is replaced by the row's question
   (the only placeholder). Not set: the question itself.
@@ -46,7 +46,7 @@ class PromptFormat:
         """The system turn for a row of ``task`` (the recipe's, else the task's own)."""
         if self.system_prompt is not None:
             return self.system_prompt
-        from embedded.tasks import get_task
+        from rewards.registry import get_task
 
         return get_task(task).system_prompt
 

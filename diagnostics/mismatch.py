@@ -49,8 +49,8 @@ def quick_sft_model(root: str | Path, *, steps: int = 12, batch_size: int = 8, l
     dozen AdamW steps already turn the near-uniform random-init distribution into a peaked one (tests, quick runs).
     ``moe``: the tiny Qwen3-MoE (embedded.tiny_model.TINY_MOE) instead of the dense model."""
     from embedded.bootstrap import SFTConfig, sft_bootstrap
-    from embedded.math_task import generate_splits
     from embedded.tiny_model import TINY_MOE, build_tiny_model
+    from rewards.math_task import generate_splits
 
     root = Path(root)
     cfg = SFTConfig(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=min(5, steps))
@@ -95,8 +95,8 @@ def task_prompts(model_dir: str | Path, task: str, count: int, *, seed: int = 12
     """``count`` chat prompts of the embedded task ``task`` (fresh problems from ``random.Random(seed)``)."""
     from transformers import AutoTokenizer
 
-    from embedded.tasks import get_task
     from embedded.tiny_model import chat_prompt
+    from rewards.registry import get_task
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     rng, t = random.Random(seed), get_task(task)

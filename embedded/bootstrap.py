@@ -1,7 +1,7 @@
 """Embedded-default assets: synthetic data splits + tiny Qwen3 + a short supervised (SFT) warm start, cached on disk.
 
-Two embedded tasks (``data.task``, embedded/tasks.py): ``addition`` (the default, embedded/addition_task.py: a
-column-by-column scratchpad whose skill transfers across prompts) and ``arithmetic`` (embedded/math_task.py: one fact
+Two embedded tasks (``data.task``, rewards/registry.py): ``addition`` (the default, rewards/addition_task.py: a
+column-by-column scratchpad whose skill transfers across prompts) and ``arithmetic`` (rewards/math_task.py: one fact
 per prompt).
 
 RL needs signal: a randomly initialised model never writes a correct answer, so every GRPO group would have equal
@@ -28,15 +28,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from embedded import addition_task, math_task
-from embedded.tasks import DEFAULT_TASK, get_task
 from embedded.tiny_model import TINY_MOE, TinyModelSpec, asset_lock, build_tiny_model, chat_prompt
+from rewards import addition_task, math_task
+from rewards.registry import DEFAULT_TASK, get_task
 
 ADDITION_SFT_STEPS = 325
 ADDITION_SFT_LR = 3e-3
 # The addition task's SFT data: 2-4 digit operands from a teacher that forgets each carry with probability 0.7, so
 # the warm start mostly drops carries (greedy answers are right mainly on carry-free problems) yet samples the right
-# procedure sometimes: RL has a shared, transferable correction to find (embedded/addition_task.py). RL prompts and
+# procedure sometimes: RL has a shared, transferable correction to find (rewards/addition_task.py). RL prompts and
 # validation: 2-3 digit operands (after this short SFT the 4-digit lookups are still too unreliable for RL signal).
 # Why 0.7, not 0.6 (measured on the 500 validation prompts, teacher-forced probability of the carry token where a
 # carry is due): with 0.6 the 325-step SFT put it at 0.43 on average but above 0.5 at 21% of those positions, so

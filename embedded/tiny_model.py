@@ -21,7 +21,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from embedded.tasks import DEFAULT_TASK, get_task
+from rewards.registry import DEFAULT_TASK, get_task
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (
@@ -184,7 +184,7 @@ def _build_tiny_model(out: Path, spec: TinyModelSpec, overwrite: bool) -> Path:
 
 def chat_prompt(tokenizer, question: str, task: str = DEFAULT_TASK) -> str:
     """The prompt text the policy sees for one question (system + user turn, generation prompt); the system turn is
-    ``task``'s ``system_prompt`` (embedded/tasks.py; the same text for every task today)."""
+    ``task``'s ``system_prompt`` (rewards/registry.py; the same text for every task today)."""
     from data.prompt import PromptFormat
 
     return PromptFormat().render(tokenizer, question, task)

@@ -11,8 +11,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster.runtime import actor, await_actors, dead_actors, get, policy_call, policy_refs, split_groups, wait
-from embedded.verifiers import verify
 from process.faults import arm_kill
+from rewards.verifiers import verify
 from tasks.context import RunContext
 from tasks.tracking import log_metrics
 
@@ -90,7 +90,7 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
 
 def _verify(row: dict, text: str) -> tuple[bool, bool]:
     """(format_valid, correct) from the reward of the row's task (``data.task``, which every row carries: PromptSource
-    and the evaluation sets attach it; the tasks and their rewards: embedded/tasks.py)."""
+    and the evaluation sets attach it; the tasks and their rewards: rewards/registry.py)."""
     return verify(row["task"], text, row["answer"])
 
 

@@ -138,9 +138,9 @@ def evaluate(checkpoint: str, out: str | Path, *, recipe: str, overrides: list[s
     from configs.schema import EMBEDDED, load_config
     from data.loading import load_split, rows
     from data.prompt import PromptFormat
-    from embedded.verifiers import verify
     from fp8core.serve import served_state_dict
     from fp8core.stats import accuracy_estimate, paired_bootstrap
+    from rewards.verifiers import verify
     from rollout.engine import RolloutWorker
     from storage.checkpoint import CheckpointStore
     from trainer.policy import PolicyWorker

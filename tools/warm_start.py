@@ -2,7 +2,7 @@
 
     python -m tools.warm_start MODEL_DIR VALIDATION_JSONL [--prompts 500] [--sampled 64] [--threads 2]
 
-Prints, on the validation rows (clean scratchpads, embedded/addition_task.py):
+Prints, on the validation rows (clean scratchpads, rewards/addition_task.py):
 
 - the teacher-forced probability the model gives the carry token ``1`` where a carry is due (after a column whose sum
   was >= 10), its mean and the share of those positions above 0.5 (where greedy decoding already carries), and the
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from embedded import addition_task as at
     from embedded.tiny_model import chat_prompt
+    from rewards import addition_task as at
 
     torch.set_num_threads(a.threads)
     rows = [json.loads(line) for line in open(a.validation) if line.strip()][: a.prompts]

@@ -62,7 +62,7 @@ def test_numerics_sections_run():
 
 def test_workload_rows_follow_the_flow(tmp_path):
     from data.loading import PromptSource, load_split
-    from embedded.math_task import generate_splits
+    from rewards.math_task import generate_splits
 
     splits = generate_splits(tmp_path, n_train=50, n_validation=5)
     w = Workload(model_dir="unused", train_path=str(splits["train"]), num_prompts=4)

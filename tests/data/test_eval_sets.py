@@ -7,7 +7,7 @@ import pytest
 from configs.schema import ConfigError, load_config
 from data.eval_sets import check_eval_paths, embedded_set_path, ensure_embedded_set, load_eval_sets
 from data.loading import DataError
-from embedded.addition_task import verify
+from rewards.addition_task import verify
 
 RECIPE = "configs/tiny_bf16.yaml"
 

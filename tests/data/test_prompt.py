@@ -4,7 +4,7 @@ import pytest
 
 from configs.schema import ConfigError, config_from_dict
 from data.prompt import PromptFormat
-from embedded.tasks import get_task
+from rewards.registry import get_task
 
 
 class ChatTok:

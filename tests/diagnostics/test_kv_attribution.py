@@ -104,8 +104,8 @@ def test_attribution_through_its_entry_point(tmp_path):
 
     from diagnostics.kv_attribution import AS_TRAINED, BOTH, K_ONLY, REFERENCE, V_ONLY, format_attribution, main
     from diagnostics.mismatch import quick_sft_model
-    from embedded.math_task import make_problem
     from fp8core.cpu import cpu_caps
+    from rewards.math_task import make_problem
 
     model_dir = quick_sft_model(Path(__file__).resolve().parents[2] / "runs" / "test-env" / "models")
     rng = random.Random(0)

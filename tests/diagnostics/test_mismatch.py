@@ -98,8 +98,8 @@ def _prompts(model_dir) -> list[str]:
     """The diagnostic's prompts, written out: ``--task arithmetic``, ``random.Random(1234)``."""
     from transformers import AutoTokenizer
 
-    from embedded.math_task import make_problem
     from embedded.tiny_model import chat_prompt
+    from rewards.math_task import make_problem
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     rng = random.Random(1234)

@@ -110,8 +110,9 @@ def test_addition_assets_one_warm_start_per_seed(tmp_path):
 def test_addition_assets_cache_is_keyed_by_the_data_spec(tmp_path, monkeypatch):
     """A change of the teacher's spec (here its carry-drop rate) regenerates the data and retrains the warm start;
     the same spec reuses both (the data marker and the SFT marker record everything that shapes them)."""
-    from embedded import addition_task, bootstrap
+    from embedded import bootstrap
     from embedded.bootstrap import SFTConfig, ensure_default_assets
+    from rewards import addition_task
 
     kw = dict(task="addition", spec=SMALL, n_train=50, n_validation=8, n_sft=60, log=lambda *_: None,
               sft=SFTConfig(steps=2, batch_size=4))

@@ -14,7 +14,7 @@ from _hub import add_dataset, add_model  # noqa: E402
 
 
 def _addition_rows(n: int, seed: int) -> list[dict]:
-    from embedded.addition_task import make_problem
+    from rewards.addition_task import make_problem
 
     rng = random.Random(seed)
     return [{k: v for k, v in make_problem(rng).items() if k in ("question", "answer")} for _ in range(n)]

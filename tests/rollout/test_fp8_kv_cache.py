@@ -62,8 +62,8 @@ def kv_worker(request, model_dir, tmp_path_factory):
 def prompts(model_dir):
     from transformers import AutoTokenizer
 
-    from embedded.math_task import make_problem
     from embedded.tiny_model import chat_prompt
+    from rewards.math_task import make_problem
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     rng = random.Random(0)

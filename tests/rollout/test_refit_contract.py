@@ -48,8 +48,8 @@ def _trained_policy_and_engine(model_dir, cfg):
     """A PolicyWorker after one real GRPO update on rollouts from an engine built as start_workers builds it."""
     import random
 
-    from embedded.math_task import make_problem, reward
     from embedded.tiny_model import chat_prompt
+    from rewards.math_task import make_problem, reward
     from rollout.engine import RolloutWorker
     from trainer.policy import PolicyWorker
 

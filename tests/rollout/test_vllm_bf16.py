@@ -50,8 +50,8 @@ def test_engine_generates_like_native_bf16():
 
     import rollout.vllm_bf16 as vb
     from diagnostics.mismatch import quick_sft_model
-    from embedded.math_task import make_problem
     from embedded.tiny_model import chat_prompt
+    from rewards.math_task import make_problem
     from rollout.engine import _ProcessStateGuard
 
     model_dir = quick_sft_model(MODELS)

@@ -80,8 +80,8 @@ def worker(model_dir, tmp_path_factory):
 def prompts(worker):
     import random
 
-    from embedded.math_task import make_problem
     from embedded.tiny_model import chat_prompt
+    from rewards.math_task import make_problem
 
     rng = random.Random(0)
     return [chat_prompt(worker.tokenizer, make_problem(rng)["question"]) for _ in range(6)]

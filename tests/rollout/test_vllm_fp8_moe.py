@@ -28,8 +28,8 @@ def model_dir():
 def pair(model_dir, tmp_path_factory):
     import random
 
-    from embedded.math_task import make_problem, reward
     from embedded.tiny_model import chat_prompt
+    from rewards.math_task import make_problem, reward
     from rollout.engine import RolloutWorker
     from trainer.policy import PolicyWorker
 

@@ -41,8 +41,8 @@ def trained(tmp_path_factory):
 def _generate(model_dir, cfg, run_dir, weights=None):
     import random
 
-    from embedded.math_task import make_problem
     from embedded.tiny_model import chat_prompt
+    from rewards.math_task import make_problem
     from rollout.engine import RolloutWorker
 
     engine = RolloutWorker(model_dir, cfg, run_dir=run_dir)
@@ -123,7 +123,7 @@ def test_export_eval_reports_parity_with_the_checkpoints_policy(trained, tmp_pat
     weights (largest difference 0)."""
     import random
 
-    from embedded.math_task import make_problem
+    from rewards.math_task import make_problem
     from tools.fp8_export import main
 
     rng = random.Random(5)
@@ -151,7 +151,7 @@ def test_export_eval_vllm_layout_loads_through_transformers(trained, tmp_path, c
     checkpoint's policy."""
     import random
 
-    from embedded.math_task import make_problem
+    from rewards.math_task import make_problem
     from tools.fp8_export import main
 
     rng = random.Random(5)

@@ -9,8 +9,8 @@ def test_carry_probabilities_count_and_range(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from embedded.addition_task import make_problem
     from embedded.tiny_model import TinyModelSpec, build_tiny_model
+    from rewards.addition_task import make_problem
     from tools.warm_start import carry_probabilities
 
     d = build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny",

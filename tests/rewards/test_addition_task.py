@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embedded import addition_task as at
-from embedded.verifiers import verify
+from rewards import addition_task as at
+from rewards.verifiers import verify
 
 
 def test_scratchpad_worked_examples():

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from embedded.math_task import extract_answer, generate_splits, is_correct, make_problem, reference_answer, reward
+from rewards.math_task import extract_answer, generate_splits, is_correct, make_problem, reference_answer, reward
 
 
 @pytest.mark.parametrize(

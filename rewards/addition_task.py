@@ -1,7 +1,7 @@
 """The embedded RL task (``data.task: addition``, the default): multi-digit addition written as a column-by-column
 scratchpad, and its strict verifier. All of it is :class:`AdditionTask`.
 
-Why this task (docs/embedded-workload.md): on the one-fact arithmetic task (embedded/math_task.py)
+Why this task (docs/embedded-workload.md): on the one-fact arithmetic task (rewards/math_task.py)
 what GRPO reinforces on one prompt barely transfers to the next, so validation stays flat. Here every problem is
 solved by the same procedure, executed token by token, right to left::
 
@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from embedded.math_task import SYSTEM_PROMPT, boxed_contents, reference_answer
+from rewards.math_task import SYSTEM_PROMPT, boxed_contents, reference_answer
 
 NAME = "addition"
 _TEMPLATES = ["What is {a} + {b}?", "Add {a} and {b}.", "Compute {a} + {b}.", "Find the sum of {a} and {b}."]

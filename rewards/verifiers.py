@@ -1,12 +1,12 @@
 """Score a response by task name: ``verify(task, response, answer)`` -> ``(format_valid, correct)`` and ``reward``.
 
-One line each over the task classes (embedded/tasks.py, where the registry and how to change a reward are
-described): ``addition`` -> embedded/addition_task.AdditionTask, ``arithmetic`` -> embedded/math_task.ArithmeticTask.
+One line each over the task classes (rewards/registry.py, where the registry and how to change a reward are
+described): ``addition`` -> rewards/addition_task.AdditionTask, ``arithmetic`` -> rewards/math_task.ArithmeticTask.
 """
 
 from __future__ import annotations
 
-from embedded.tasks import TASKS, get_task
+from rewards.registry import TASKS, get_task
 
 __all__ = ["TASKS", "reward", "verify"]
 

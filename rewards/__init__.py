@@ -1,0 +1,1 @@
+"""The tasks a policy is trained and scored on, by name (``data.task``): each task class holds its problems, its prompt and its reward / verifier (registry.py); every run, the data loaders and the embedded demo import them from here."""
