@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from configs.schema import DEFAULT_TASK
+from storage.options import storage_options_for
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".pq": "parquet"}
 
@@ -36,15 +36,6 @@ class DataError(ValueError):
 
 def _strip_file(path: str) -> str:
     return path[len("file://"):] if path.startswith("file://") else path
-
-
-def storage_options_for(path: str, *, endpoint_url: str | None = None) -> dict:
-    """fsspec options for ``path``: for s3:// an endpoint from the config or $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL.
-    Credentials come from the environment (boto's usual chain) and are never put in configs or logs."""
-    if not path.startswith("s3://"):
-        return {}
-    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
 
 
 def _format_of(path: str) -> str:

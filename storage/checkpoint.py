@@ -86,7 +86,7 @@ class CheckpointStore:
     def __init__(self, uri: str, *, endpoint_url: str | None = None, storage_options: Mapping | None = None):
         import fsspec
 
-        from data.loading import storage_options_for
+        from storage.options import storage_options_for
 
         options = dict(storage_options or storage_options_for(uri, endpoint_url=endpoint_url))
         self.uri = uri.rstrip("/")
