@@ -16,7 +16,7 @@ NOISE = ("torchao", "pytree", "Warning", "Failed to load", "register_constant()"
 # the switches process.quiet sets; stripped so a subprocess starts as a user's shell does
 QUIET_ENV = ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
 ENTRY_MODULES = ["flows.grpo", "flows.regression", "tools.fp8_export", "tools.compare_val", "tools.warm_start",
-                 "bench.__main__", "rollout.engine", "experiments.learning", "experiments.paper_study",
+                 "bench.__main__", "bench.engine", "experiments.learning", "experiments.paper_study",
                  "experiments.recipe_table", "experiments.async_study", "cli.main", "diagnostics.mismatch", "diagnostics.moe_mismatch",
                  "diagnostics.kv_attribution"]
 ENTRY_SCRIPTS = ["scripts/stack.py", "scripts/cluster.py"]
