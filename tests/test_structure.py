@@ -1,4 +1,5 @@
-"""The project's shape: no import cycles between its own modules, and no folder that holds most of the code.
+"""The project's shape: imports point down the declared layer order, no import cycles between the project's own
+modules, and no folder that holds most of the code.
 
 The import graph is read from the source with ``ast`` (nothing is imported): every ``import`` statement counts,
 module-level and inside functions, absolute and relative. An import points at the project module it names -- the
@@ -15,6 +16,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NOT_PROJECT = {"tests", "runs", "docs"}  # plus every hidden folder (.venv, .git, ...)
 MAX_FOLDER_SHARE = 0.30
+
+# The layer order of the top-level folders, highest first. A module may import its own folder and the folders of
+# the layers below its own; never a folder of its own layer or of a layer above (so no two folders import each
+# other). A new top-level folder must be placed here before its imports can pass.
+LAYERS: list[tuple[str, ...]] = [
+    ("cli", "experiments", "bench", "scripts"),  # entry points: the command line, experiment grids, benchmarks, ops
+    ("flows", "diagnostics"),  # Prefect flows; research CLIs over the trainer's and engine's own code
+    ("tasks", "tools"),  # thin Prefect tasks; command-line tools (export, comparisons, result files)
+    ("cluster", "embedded"),  # Ray orchestration of the workers; the embedded demo's model, tokenizer and warm start
+    ("rollout", "trainer"),  # the engine and the trainer (the Ray actors' code)
+    ("data",),  # datasets, evaluation sets, the prompt format
+    ("storage", "rewards"),  # checkpoints, hub snapshots, fsspec options; the tasks' rewards and verifiers
+    ("process",),  # process plumbing and the TEST-ONLY hooks
+    ("configs",),  # the recipes' schema
+    ("fp8core",),  # FP8 numerics and the RL math, pure torch
+]
 
 
 def project_files(root: Path) -> dict[str, Path]:
@@ -163,6 +180,50 @@ def folder_lines(root: Path) -> dict[str, int]:
         rel = path.relative_to(root)
         out[rel.parts[0] if len(rel.parts) > 1 else "."] += len(path.read_text().splitlines())
     return dict(out)
+
+
+def layer_violations(root: Path, layers: list[tuple[str, ...]]) -> list[str]:
+    """One line per import that does not point down the layer order (module-level and function-level alike):
+    'importer -> imported  [file:line] (layer of importer: i, of imported: j)', and one per top-level folder of
+    project code that ``layers`` does not place."""
+    rank = {folder: i for i, layer in enumerate(layers) for folder in layer}
+    graph, where = import_graph(root)
+    top = {m: m.split(".")[0] for m in graph}
+    folders = {path.relative_to(root).parts[0] for path in project_files(root).values() if path.parent != root}
+    lines = [f"{folder}/: not in the layer order (tests/test_structure.py LAYERS)" for folder in sorted(folders - set(rank))]
+    for importer in sorted(graph):
+        for imported in sorted(graph[importer]):
+            a, b = top[importer], top[imported]
+            if a == b or a not in rank or b not in rank or rank[b] > rank[a]:
+                continue
+            lines.append(f"{importer} -> {imported}  [{where[(importer, imported)]}] "
+                         f"({a}/ is in layer {rank[a]}, {b}/ in layer {rank[b]}: imports must point to a higher number)")
+    return lines
+
+
+def test_imports_point_down_the_layer_order():
+    violations = layer_violations(ROOT, LAYERS)
+    assert not violations, "imports that do not point down the layer order:\n" + "\n".join(violations)
+
+
+def test_the_layer_check_can_fail(tmp_path):
+    """A function-level import from a lower folder into a higher one, an import within one layer, and a folder the
+    order does not place are each reported with the import's file and line; pointing down passes."""
+    for name, body in {"high": "import low.x\n", "mid": "", "low": ""}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(body)
+    (tmp_path / "low" / "x.py").write_text("import os\n\n\ndef f():\n    from high import thing\n    return os, thing\n")
+    layers = [("high",), ("mid",), ("low",)]
+    assert layer_violations(tmp_path, layers) == [
+        "low.x -> high  [low/x.py:5] (low/ is in layer 2, high/ in layer 0: imports must point to a higher number)"]
+    (tmp_path / "low" / "x.py").write_text("import os\n")
+    assert layer_violations(tmp_path, layers) == []
+    (tmp_path / "mid" / "__init__.py").write_text("from high import thing\n")
+    assert layer_violations(tmp_path, [("high", "mid"), ("low",)]) == [
+        "mid -> high  [mid/__init__.py:1] (mid/ is in layer 0, high/ in layer 0: imports must point to a higher number)"]
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "y.py").write_text("")
+    assert layer_violations(tmp_path, layers)[0] == "extra/: not in the layer order (tests/test_structure.py LAYERS)"
 
 
 def test_no_import_cycles():
