@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests import the helpers: from _ops import ...
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests import the helpers (tests/_ops.py): from _ops import ...
 
 from _ops import (  # noqa: E402
     BUCKET,

@@ -1,4 +1,4 @@
-"""Helpers of the operations e2e tests (imported by tests/ops/conftest.py and the tests)."""
+"""Helpers of the operations end-to-end tests (tests/ops, tests/scripts): loaded with ``sys.path`` as tests/_hub.py is."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 STACK = ROOT / "scripts" / "stack"
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 ASSETS = ROOT / "runs" / "test-env" / "ops-assets"  # tiny model + data, bootstrapped once (short SFT) and cached

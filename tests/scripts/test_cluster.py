@@ -12,9 +12,12 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from _ops import ROOT, TINY, run_logged
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _ops import ROOT, TINY, run_logged  # noqa: E402
 
 CLUSTER = [sys.executable, str(ROOT / "scripts" / "cluster.py")]
 
