@@ -393,9 +393,6 @@ class RayCfg:
     rollout_worker: WorkerResources = field(default_factory=WorkerResources)
 
 
-PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
-
-
 @dataclass(frozen=True)
 class ClusterCfg:
     """The run's workers on Ray. ``rollout_workers`` vLLM engines (each ``ray.rollout_worker`` resources) share every

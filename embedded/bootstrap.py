@@ -30,7 +30,7 @@ from pathlib import Path
 
 from embedded.tiny_model import TINY_MOE, TinyModelSpec, asset_lock, build_tiny_model, chat_prompt
 from rewards import addition_task, math_task
-from rewards.registry import DEFAULT_TASK, get_task
+from rewards.registry import DEFAULT_TASK
 
 ADDITION_SFT_STEPS = 325
 ADDITION_SFT_LR = 3e-3
@@ -128,28 +128,6 @@ def sft_bootstrap(model_dir: str | Path, train_path: str | Path, out_dir: str | 
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
-
-
-def greedy_accuracy(model_dir: str | Path, rows: list[dict], *, max_new_tokens: int = 24, batch_size: int = 64,
-                    task: str = DEFAULT_TASK) -> float:
-    """Greedy-decoding accuracy of an HF model on rows with question/answer (a quick check; RL validation uses vLLM)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    correct = 0
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i: i + batch_size]
-        enc = tokenizer([chat_prompt(tokenizer, r["question"], task) for r in chunk], return_tensors="pt",
-                        padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
-        correct += sum(get_task(task).verify(t, r["answer"])[1] for t, r in zip(texts, chunk, strict=True))
-    return correct / max(1, len(rows))
 
 
 # Per-task SFT recipe (steps / lr / batch) when the config does not override it. ``addition``: deliberately short,

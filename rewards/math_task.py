@@ -170,8 +170,3 @@ TASK = ArithmeticTask()
 make_problem = TASK.make_problem
 generate_splits = TASK.generate_splits
 reward = TASK.reward
-
-
-def is_correct(response: str, answer: str) -> bool:
-    """The response's final answer equals the gold answer (:meth:`ArithmeticTask.reward` is 1.0)."""
-    return TASK.reward(response, answer) == 1.0

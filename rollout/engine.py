@@ -608,11 +608,6 @@ class RolloutWorker:
         self.llm.apply_model(lambda model: _set_attention_scales(model, names, per_layer))
         self._kv_scales = scales
 
-    def get_kv_scales(self) -> dict[str, list[float]]:
-        """The K/V/Q scales the engine's attention layers hold now (read back from the layers)."""
-        names = self._attn_names
-        return self.llm.apply_model(lambda model: _get_attention_scales(model, names))[0]
-
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         """KV capacity (tokens), KV mode, last generate's throughput, last refit time, engine start time, and the
@@ -754,10 +749,3 @@ def _install_kv_emulation(model) -> int:
         if getattr(layer, "_fp8grpo_kv_emulation", None) is None:
             layer._fp8grpo_kv_emulation = layer.register_forward_pre_hook(_round_kv_pre_hook, with_kwargs=True)
     return sum(getattr(m, "_fp8grpo_kv_emulation", None) is not None for m in layers.values())
-
-
-
-
-def _get_attention_scales(model, names: list[str]) -> dict[str, list[float]]:
-    layers = _attention_layers(model)
-    return {f"{key}_scale": [float(getattr(layers[n], f"_{key}_scale_float")) for n in names] for key in "kvq"}

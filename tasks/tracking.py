@@ -205,11 +205,6 @@ def log_text(uri: str | None, run_id: str | None, text: str, path: str) -> None:
         client(uri).log_text(run_id, text, path)
 
 
-@task(name="log-metrics", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def log_metrics_task(uri: str | None, run_id: str | None, metrics: dict, step: int) -> None:
-    log_metrics(uri, run_id, metrics, step)
-
-
 # the answer-first figure: (title, [(metric key, label)], with a 95% CI band from <key>_lo / _hi when logged)
 CURVES = (("validation accuracy (95% CI)", "val/*/accuracy"),
           ("reward", (("reward/mean", "mean reward"),)),

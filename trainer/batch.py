@@ -171,20 +171,3 @@ def by_length(b: Batch, batch_size: int, forward, max_tokens: int | None = None)
         if ent is not None:
             ent_all[idx] = _pad_cols(ent.cpu(), b.width)
     return lp_all, ent_all
-
-
-@torch.no_grad()
-def model_logprobs(model, rollouts: Sequence[Mapping], *, pad_id: int, temperature: float = 1.0,
-                   batch_size: int = 16) -> tuple[torch.Tensor, Batch]:
-    """Teacher-forced logprobs ``[B, L]`` of ``rollouts`` (RolloutWorker.generate output) under a plain HF causal
-    LM ``model`` (no trainer around it: its own dtype, no autocast), on the trainer's batches (``Batch``,
-    ``by_length``, ``token_logprobs``); returns them with the batch (``mask``, ``rollout_logp``). The trainer's
-    own numerics are ``PolicyWorker.score``."""
-    b = Batch.from_rollouts(rollouts, pad_id=pad_id)
-    device = next(model.parameters()).device
-
-    def forward(mb: Batch):
-        logits = model(input_ids=mb.tokens.to(device), attention_mask=mb.attn.to(device)).logits
-        return token_logprobs(logits, mb.tokens.to(device), temperature=temperature)[0], None
-
-    return by_length(b, batch_size, forward)[0], b

@@ -3,6 +3,7 @@ SFT-ed) tiny model, and the one-path check: each row is exactly what a RolloutWo
 row's recipe give on their own."""
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,7 +130,9 @@ def test_rows_are_what_the_recipes_engine_and_trainer_give(diag):
     from transformers import AutoModelForCausalLM
 
     from fp8core.rl import mismatch_metrics
-    from trainer.batch import model_logprobs
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from _probes import model_logprobs
+
     from trainer.policy import PolicyWorker
 
     model_dir, tmp, table, saved = diag

@@ -68,7 +68,7 @@ def test_concurrent_builders_of_one_directory_both_get_the_same_complete_model(t
 
 @pytest.mark.slow
 def test_sft_bootstrap_learns_the_format(tmp_path):
-    from embedded.bootstrap import SFTConfig, ensure_default_assets, greedy_accuracy
+    from embedded.bootstrap import SFTConfig, ensure_default_assets
 
     assets = ensure_default_assets(tmp_path, task="arithmetic", spec=SMALL, sft=SFTConfig(steps=60, batch_size=16),
                                    n_train=400, n_validation=16, log=lambda *_: None)
@@ -161,3 +161,26 @@ def test_moe_spec_builds_a_qwen3_moe_beside_the_dense_assets(tmp_path):
     assert "model.layers.1.mlp.experts.3.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
     with pytest.raises(ValueError, match="bootstrap.model"):
         ensure_default_assets(tmp_path, model="huge", **kw)
+
+
+def greedy_accuracy(model_dir, rows: list[dict], *, max_new_tokens: int = 24, batch_size: int = 64,
+                    task: str) -> float:
+    """Greedy-decoding accuracy of an HF model on rows with question/answer (a quick check; RL validation uses vLLM)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rewards.registry import get_task
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    correct = 0
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i: i + batch_size]
+        enc = tokenizer([chat_prompt(tokenizer, r["question"], task) for r in chunk], return_tensors="pt",
+                        padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        correct += sum(get_task(task).verify(t, r["answer"])[1] for t, r in zip(texts, chunk, strict=True))
+    return correct / max(1, len(rows))

@@ -4,7 +4,12 @@ import random
 
 import pytest
 
-from rewards.math_task import extract_answer, generate_splits, is_correct, make_problem, reference_answer, reward
+from rewards.math_task import extract_answer, generate_splits, make_problem, reference_answer, reward
+
+
+def is_correct(response: str, answer: str) -> bool:
+    """The response's final answer equals the gold answer (a full reward)."""
+    return reward(response, answer) == 1.0
 
 
 @pytest.mark.parametrize(

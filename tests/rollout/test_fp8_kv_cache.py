@@ -7,12 +7,16 @@ Engines and trainer are built from the recipes (configs/tiny_fp8_e2e_kv.yaml wit
 configs/tiny_fp8_e2e.yaml for the BF16 cache): the trainer is their PolicyWorker (FP32 masters, FP8 linears, as in
 production), which calibrates the K/V scales and scores through ``PolicyWorker.score``."""
 import random
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from fp8core.cpu import cpu_caps
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _probes import engine_kv_scales  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "runs" / "test-env" / "models"
@@ -109,7 +113,7 @@ def test_kv_scales_change_and_restore_logprobs(kv_worker, trainer, prompts):
     print(f"[{impl} KV cache, CPU {cpu_caps().kind}] KV scales -> token_mult_prob_error vs FP8 trainer:",
           {k: round(v, 4) for k, v in errors.items()})
     assert outs["calibrated again"] == outs["calibrated"]
-    assert w.get_kv_scales()["k_scale"] == calibrated["k_scale"]
+    assert engine_kv_scales(w)["k_scale"] == calibrated["k_scale"]
     assert errors["calibrated"] < 1.05
     if impl == "bf16":
         assert outs["x100"] == outs["1e-3"] == outs["calibrated"]
@@ -132,7 +136,7 @@ def test_scales_survive_refit(kv_worker, checkpoint, prompts):
     try:
         before = w.generate(prompts, n=2, max_tokens=12, seed=9)
         w.refit(checkpoint)
-        assert w.get_kv_scales()["k_scale"] == scales["k_scale"]
+        assert engine_kv_scales(w)["k_scale"] == scales["k_scale"]
         assert w.generate(prompts, n=2, max_tokens=12, seed=9) == before
     finally:
         w.set_kv_scales({"k_scale": [1.0] * 4, "v_scale": [1.0] * 4})

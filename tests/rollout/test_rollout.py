@@ -1,6 +1,7 @@
 """RolloutWorker on a BF16 engine: output format, reproducibility, refit against the HF trainer, stats, bad input."""
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,9 @@ from rollout.engine import (
     resolve_kv_mode,
     round_kv_through_e4m3,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _probes import engine_kv_scales, model_logprobs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "runs" / "test-env" / "models" / "tiny"
@@ -53,7 +57,6 @@ def _hf_model(model_dir, state_dict=None):
 def _error(model, results, *, temperature: float = 1.0) -> float:
     """The engine's logprobs vs the plain HF reference ``model``'s, on the trainer's batches (trainer.batch)."""
     from fp8core.rl import mismatch_metrics
-    from trainer.batch import model_logprobs
 
     lp, b = model_logprobs(model, results, pad_id=model.config.pad_token_id, temperature=temperature)
     return mismatch_metrics(lp, b.rollout_logp, b.mask)["mismatch/token_mult_prob_error"]
@@ -295,7 +298,7 @@ def test_bad_refit_and_scales_leave_engine_usable(worker, checkpoint, prompts):
         worker.generate([[5, 99999]], n=1, max_tokens=4)
     with pytest.raises(ValueError, match="n must be"):
         worker.generate(prompts, n=0, max_tokens=4)
-    assert worker.get_kv_scales()["k_scale"] == [1.0] * 4  # nothing reached the engine
+    assert engine_kv_scales(worker)["k_scale"] == [1.0] * 4  # nothing reached the engine
     assert worker.generate(prompts, n=1, max_tokens=8, seed=5) == ref
 
 
@@ -334,9 +337,9 @@ def test_kv_scales_are_set_and_survive_refit(worker, checkpoint):
     scales = {"k_scale": [0.5, 0.25, 0.125, 1.0], "v_scale": [2.0, 1.0, 0.5, 0.25]}
     try:
         worker.set_kv_scales(scales)
-        assert {k: worker.get_kv_scales()[k] for k in scales} == scales
+        assert {k: engine_kv_scales(worker)[k] for k in scales} == scales
         worker.refit(checkpoint)  # vLLM resets scales to 1.0 on reload; the worker puts them back
-        assert {k: worker.get_kv_scales()[k] for k in scales} == scales
+        assert {k: engine_kv_scales(worker)[k] for k in scales} == scales
     finally:
         worker.set_kv_scales({"k_scale": [1.0] * 4, "v_scale": [1.0] * 4})
 
@@ -398,6 +401,9 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 from configs.schema import standalone_engine_config
 from rollout.engine import RolloutWorker
 
+sys.path.insert(0, "tests")  # cwd is the repository root
+from _probes import engine_kv_scales
+
 model_dir, run_dir = Path(sys.argv[1]), Path(sys.argv[2])
 out = {"kind": cpu_caps().kind, "hw": cpu_caps().hardware_kind, "avx512": torch.cpu._is_avx512_supported(),
        "amx": torch.cpu._is_amx_tile_supported(), "torch": torch.backends.cpu.get_cpu_capability()}
@@ -440,7 +446,7 @@ c = lps()
 w.set_kv_scales(unit)
 d = lps()
 out.update(tokens=len(a), dlogp_tiny=sum(abs(x - y) for x, y in zip(a, b)) / len(a), tiny_after_refit_same=(b == c),
-           unit_again_same=(a == d), scales_after_refit=w.get_kv_scales()["k_scale"])
+           unit_again_same=(a == d), scales_after_refit=engine_kv_scales(w)["k_scale"])
 w.shutdown()
 print(json.dumps(out))
 """
