@@ -206,6 +206,26 @@ def test_imports_point_down_the_layer_order():
     assert not violations, "imports that do not point down the layer order:\n" + "\n".join(violations)
 
 
+TESTS_ONLY = {"ops"}  # tests/ops: the operations end-to-end tests, across rooms
+
+
+def unmirrored(root: Path, layers: list[tuple[str, ...]]) -> list[str]:
+    """Each placed folder and each sub-package (e.g. fp8core/rl) needs its tests/ folder; each tests/ folder must
+    name a folder (or be one of TESTS_ONLY)."""
+    placed = {folder for layer in layers for folder in layer}
+    packages = placed | {str(init.parent.relative_to(root)) for folder in placed
+                         for init in (root / folder).glob("*/__init__.py")}
+    tests = {str(d.relative_to(root / "tests")) for d in (root / "tests").rglob("*") if d.is_dir()
+             and any(d.glob("test_*.py"))}
+    return ([f"{pkg}/ has no tests/{pkg}/" for pkg in sorted(packages - tests)]
+            + [f"tests/{t}/ mirrors no folder" for t in sorted(tests - packages - TESTS_ONLY)])
+
+
+def test_tests_mirror_the_folders():
+    missing = unmirrored(ROOT, LAYERS)
+    assert not missing, "tests/ does not mirror the project's folders:\n" + "\n".join(missing)
+
+
 def test_the_layer_check_can_fail(tmp_path):
     """A function-level import from a lower folder into a higher one, an import within one layer, and a folder the
     order does not place are each reported with the import's file and line; pointing down passes."""
@@ -265,3 +285,18 @@ def test_longer_cycles_are_spelled_with_their_component(tmp_path):
     assert import_cycles(tmp_path) == []  # z imports x.sub, not x
     (tmp_path / "x" / "sub.py").write_text("def f():\n    import y\n")
     assert import_cycles(tmp_path) == ["x.sub -> y -> z -> x.sub  [x/sub.py:2, y/__init__.py:1, z/__init__.py:1]"]
+
+
+def test_the_mirror_check_can_fail(tmp_path):
+    for d in ("a/sub", "tests/a/sub", "tests/stray"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "a" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "tests" / "a" / "sub" / "test_x.py").write_text("")
+    (tmp_path / "tests" / "stray" / "test_y.py").write_text("")
+    assert unmirrored(tmp_path, [("a", "b")]) == ["a/ has no tests/a/", "b/ has no tests/b/", "tests/stray/ mirrors no folder"]
+    (tmp_path / "tests" / "a" / "test_z.py").write_text("")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "tests" / "b").mkdir()
+    (tmp_path / "tests" / "b" / "test_b.py").write_text("")
+    (tmp_path / "tests" / "stray" / "test_y.py").unlink()
+    assert unmirrored(tmp_path, [("a", "b")]) == []
