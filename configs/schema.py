@@ -112,7 +112,7 @@ class Fp8Cfg:
     num_last_layers_in_bf16: int = 0
     pow2_weight_scaling_factors: bool = False
     pow2_activation_scaling_factors: bool = False
-    backend: Literal["auto", "emulated", "scaled_mm"] = "auto"
+    backend: Literal["auto", "cpu", "emulated", "scaled_mm"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -505,7 +505,8 @@ class Config:
             return None
         trainer = self.trainer_fp8_spec()
         if trainer is not None:
-            return fp8_spec_from_keys(fp8_spec_keys(trainer), where="policy.megatron_cfg.fp8_cfg")
+            return fp8_spec_from_keys(fp8_spec_keys(trainer), where="policy.megatron_cfg.fp8_cfg",
+                                      backend=trainer.backend)
         return fp8_spec_from_keys({k: getattr(vc, k) for k in FP8_RECIPE_KEYS if getattr(vc, k) is not None},
                                   where="policy.generation.vllm_cfg")
 

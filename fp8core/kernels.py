@@ -35,7 +35,7 @@ import torch
 
 ENV = "FP8GRPO_QDQ_KERNEL"
 MODES = ("auto", "torch", "cpp")
-_SRC = Path(__file__).with_name("csrc") / "qdq.cpp"
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("qdq.cpp", "gemm.cpp"))
 _log = logging.getLogger("fp8core.kernels")
 _lock = threading.Lock()
 _state: dict = {}
@@ -59,6 +59,8 @@ def _isa_flags() -> tuple[str, list[str]]:
     flags = ["-mavx2", "-mfma", "-mf16c"]
     if kind in ("avx512", "avx512_bf16", "amx"):
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+    if kind in ("avx512_bf16", "amx"):  # the GEMM's VDPBF16PS path (AMX CPUs have AVX-512 BF16 too)
+        flags += ["-mavx512bf16"]
     return kind, flags
 
 
@@ -89,7 +91,7 @@ def load():
 def build_dir() -> Path:
     """This process's build directory: :func:`build_root` / ``fp8core_qdq_<kind>_<hash of source, flags, torch>``."""
     kind, flags = _isa_flags()
-    tag = hashlib.sha256((_SRC.read_text() + kind + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    tag = hashlib.sha256(("".join(p.read_text() for p in _SOURCES) + kind + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
     return build_root() / f"fp8core_qdq_{kind}_{tag}"
 
 
@@ -101,7 +103,7 @@ def _build():
     name = bdir.name
     bdir.mkdir(parents=True, exist_ok=True)
     with _build_lock(bdir):
-        mod = load_ext(name=name, sources=[str(_SRC)], extra_cflags=["-O3", "-fno-math-errno", *flags],
+        mod = load_ext(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=["-O3", "-fno-math-errno", *flags],
                        build_directory=str(bdir), verbose=False)
     return mod, f"{kind} build {' '.join(flags) or '(generic x86-64)'}"
 

@@ -24,14 +24,20 @@ float8_e4m3fn everywhere; "hybrid" keeps X and W in E4M3 and quantizes the gradi
 precision). Scales follow fp8core.quant: FP32 dequantization multipliers ``amax / fp8_max``.
 
 Every GEMM accumulates in FP32 and the bias is added in FP32; outputs are cast to the input's dtype (dX to x's,
-dW to the weight's). Two backends compute the same numbers:
+dW to the weight's). Three backends compute the same products; they differ only in the order (and, on GPUs, the
+precision) of the FP32 additions, so they agree to a tolerance, not bit for bit:
 
-* ``"emulated"``: dequantize both operands to FP32 and run an FP32 matmul -- the FP8 GEMM's numerics at CPU speed.
+* ``"cpu"``: the CPU FP8 GEMM on the codes (fp8core.gemm: BF16-unit dot products with FP32 accumulation, per
+  128-wide K block then scaled, in an order that does not depend on the batch -- a row's output is the same alone or
+  in any batch).
+* ``"emulated"``: dequantize both operands to FP32 and run an FP32 matmul (torch's GEMM: its order depends on the
+  shapes, so a row's output can change with its batch). The reference the other two are compared with.
 * ``"scaled_mm"``: ``torch._scaled_mm`` on the FP8 data. Tensorwise is one call with the two scalar scales; otherwise
   K is cut into 128-wide chunks (one chunk for rowwise), each chunk's FP8 product is computed with per-row scales of
-  both operands and the chunk results are summed in FP32. Agreement with the emulation is tested on CPU.
+  both operands and the chunk results are summed in FP32.
 
-``"auto"`` picks scaled_mm on CUDA devices with FP8 GEMMs (capability >= 8.9) and the emulation elsewhere.
+``"auto"`` picks scaled_mm on CUDA devices with FP8 GEMMs (capability >= 8.9), the CPU op on a CPU where fp8core/csrc
+built, and the emulation elsewhere.
 
 End-to-end FP8: the training forward calls :func:`fp8_linear_forward` with the weight it has just quantized, and
 the vLLM plugin calls the same function with the weight it holds (``quantize(w, "block128")``), so rollouts and
@@ -47,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8core import gemm
 from fp8core.quant import (
     GROUP,
     QuantizedTensor,
@@ -58,7 +65,7 @@ from fp8core.quant import (
 
 RECIPES = ("blockwise", "rowwise", "tensorwise")
 LINEAR_FORMATS = ("e4m3", "hybrid")
-BACKENDS = ("auto", "emulated", "scaled_mm")
+BACKENDS = ("auto", "cpu", "emulated", "scaled_mm")
 # operand granularity per recipe: activations/gradients ("act", along the contraction dim) and the fprop weight
 ACT_GRANULARITY = {"blockwise": "group128", "rowwise": "rowwise", "tensorwise": "tensorwise"}
 WEIGHT_GRANULARITY = {"blockwise": "block128", "rowwise": "rowwise", "tensorwise": "tensorwise"}
@@ -72,6 +79,7 @@ __all__ = [
     "WeightCache",
     "fp8_linear",
     "fp8_linear_forward",
+    "fp8_linear_forward_cpu",
     "fp8_linear_forward_emulated",
     "fp8_mm",
     "resolve_backend",
@@ -90,7 +98,7 @@ class FP8LinearConfig:
 
     recipe: "blockwise" (default) | "rowwise" | "tensorwise".  fmt: "e4m3" | "hybrid" (E5M2 gradients).
     pow2_weight / pow2_activation: round the weight's / the activations' and gradients' scales up to powers of two.
-    backend: "auto" | "emulated" | "scaled_mm".
+    backend: "auto" | "cpu" | "emulated" | "scaled_mm".
     """
 
     recipe: str = "blockwise"
@@ -120,13 +128,18 @@ def weight_granularity(recipe: str) -> str:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto" -> "scaled_mm" on CUDA devices with FP8 tensor cores (capability >= 8.9), else "emulated"."""
+    """"auto" -> "scaled_mm" on CUDA devices with FP8 tensor cores (capability >= 8.9), "cpu" on a CPU (or the meta
+    device) where the CPU FP8 GEMM is loaded, else "emulated". "cpu" elsewhere is an error."""
     _check_choice(backend, BACKENDS, "backend")
+    on_cpu = device.type in ("cpu", "meta")
+    if backend == "cpu" and not (on_cpu and gemm.available()):
+        where = f"device {device.type}" if not on_cpu else f"this CPU ({gemm.path()})"
+        raise ValueError(f"backend='cpu': the CPU FP8 GEMM does not run on {where}")
     if backend != "auto":
         return backend
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         return "scaled_mm"
-    return "emulated"
+    return "cpu" if on_cpu and gemm.available() else "emulated"
 
 
 # ---------------------------------------------------------------------------------------------------- the GEMM
@@ -211,13 +224,16 @@ def fp8_mm(a: QuantizedTensor, b: QuantizedTensor, *, backend: str = "emulated")
     """FP32 ``dequant(a) @ dequant(b).T`` for 2-D ``a: [M, K]``, ``b: [N, K]`` quantized along K.
 
     Allowed granularities: tensorwise, rowwise, group128 (all along K, the last dim) and block128 (symmetric).
-    backend "emulated" (FP32 matmul of dequantized operands) or "scaled_mm" (torch._scaled_mm, K-chunked).
+    backend "cpu" (the CPU FP8 GEMM, fp8core.gemm), "emulated" (FP32 matmul of dequantized operands) or
+    "scaled_mm" (torch._scaled_mm, K-chunked).
     """
-    _check_choice(backend, ("emulated", "scaled_mm"), "backend")
+    _check_choice(backend, ("cpu", "emulated", "scaled_mm"), "backend")
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"fp8_mm: need a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
     if backend == "scaled_mm":
         return _fp8_mm_scaled(a, b)
+    if backend == "cpu":
+        return gemm.fp8_gemm(a, b)
     return dequantize(a) @ dequantize(b).t()
 
 
@@ -242,11 +258,32 @@ def fp8_linear_forward(x: torch.Tensor, weight_q: QuantizedTensor, bias: torch.T
         raise ValueError(f"fp8_linear_forward: x of shape {tuple(x.shape)} does not match weight_q of shape "
                          f"{tuple(weight_q.shape)} (need x[..., K] and weight [N, K])")
     k, n = weight_q.data.shape[1], weight_q.data.shape[0]
-    if resolve_backend(backend, x.device) == "emulated":
+    backend = resolve_backend(backend, x.device)
+    if backend == "emulated":
         return fp8_linear_forward_emulated(x, dequantize(weight_q) if weight_dq is None else weight_dq, bias,
                                            recipe=recipe, pow2_activation=pow2_activation)
+    if backend == "cpu":
+        block = gemm.block_for(ACT_GRANULARITY[recipe], weight_q.granularity, k)
+        return fp8_linear_forward_cpu(x, weight_q.data, gemm.row_scales(weight_q, block), bias, block=block,
+                                      recipe=recipe, pow2_activation=pow2_activation)
     x_q = quantize(x.reshape(-1, k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
-    y = fp8_mm(x_q, weight_q, backend="scaled_mm")
+    y = fp8_mm(x_q, weight_q, backend=backend)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def fp8_linear_forward_cpu(x: torch.Tensor, weight_codes: torch.Tensor, weight_rows: torch.Tensor,
+                           bias: torch.Tensor | None = None, *, block: int, recipe: str = "blockwise",
+                           pow2_activation: bool = False) -> torch.Tensor:
+    """:func:`fp8_linear_forward` on the CPU FP8 GEMM, given the weight's E4M3 codes ``[N, K]`` and their scales
+    per row and K block (``fp8core.gemm.row_scales``). The trainer's FP8Linear and the engine's FP8 layers both
+    run this function; the engine passes several partitions' codes and row scales side by side (q/k/v, gate/up,
+    each quantized on its own), so the activation is quantized once and each output column is the same dot
+    product as with the partitions one by one."""
+    k, n = weight_codes.shape[1], weight_codes.shape[0]
+    x_q = quantize(x.reshape(-1, k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
+    y = gemm.fp8_gemm_rows(x_q.data, "e4m3", gemm.row_scales(x_q, block), weight_codes, "e4m3", weight_rows, block)
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
@@ -386,11 +423,11 @@ class _FP8LinearFunction(torch.autograd.Function):
                     w_t = quantize(weight.t(), "rowwise", fmt="e4m3", pow2=cfg.pow2_weight)
                 else:  # the forward's block128 / tensorwise weight, transposed (exact)
                     w_t = QuantizedTensor(w_data, w_scale, WEIGHT_GRANULARITY[cfg.recipe], "e4m3").t()
-                dx = fp8_mm(dy_q, w_t, backend="scaled_mm").to(x.dtype).reshape(x.shape)
+                dx = fp8_mm(dy_q, w_t, backend=ctx.backend).to(x.dtype).reshape(x.shape)
             if ctx.needs_input_grad[1]:
                 dyt_q = quantize(dy2.t(), gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
                 xt_q = quantize(x.reshape(-1, k).t(), gran, fmt="e4m3", pow2=cfg.pow2_activation)
-                dw = fp8_mm(dyt_q, xt_q, backend="scaled_mm").to(weight.dtype)
+                dw = fp8_mm(dyt_q, xt_q, backend=ctx.backend).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None

@@ -10,11 +10,12 @@ pow2_weight                  weight scales rounded up to powers of two
 pow2_activation              activation (and gradient) scales rounded up to powers of two
 num_first_layers_in_bf16     first decoder layers kept in high precision
 num_last_layers_in_bf16      last decoder layers kept in high precision
-backend                      auto | emulated | scaled_mm (which kernel computes the GEMM; same numbers)
+backend                      auto | cpu | emulated | scaled_mm (which kernel computes the GEMM: the same products,
+                             summed in another order, so part of the forward numerics)
 ===========================  ===============================================================================
 
 :meth:`FP8Spec.forward_key` is what a rollout engine and a trainer must share for their forward passes to be
-identical (everything but the gradient format and the backend, which by construction compute the same numbers).
+identical (everything but the gradient format, which only the backward uses).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from fp8core.linear import BACKENDS, LINEAR_FORMATS, RECIPES, FP8LinearConfig, w
 
 __all__ = ["FORWARD_FIELDS", "FP8Spec"]
 
-FORWARD_FIELDS = ("recipe", "pow2_weight", "pow2_activation", "num_first_layers_in_bf16", "num_last_layers_in_bf16")
+FORWARD_FIELDS = ("recipe", "pow2_weight", "pow2_activation", "num_first_layers_in_bf16", "num_last_layers_in_bf16",
+                  "backend")
 
 
 @dataclass(frozen=True)

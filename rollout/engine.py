@@ -331,7 +331,7 @@ class RolloutWorker:
 
             kwargs["quantization"] = QUANT_NAME
             kwargs["hf_overrides"] = {"quantization_config": quantization_config_dict(
-                num_hidden_layers=self.num_layers, **fp8_spec_keys(self.fp8))}
+                num_hidden_layers=self.num_layers, backend=self.fp8.backend, **fp8_spec_keys(self.fp8))}
         return kwargs
 
     def _start_engine(self):

@@ -78,7 +78,14 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from configs.schema import FP8_RECIPE_KEYS, fp8_spec_from_keys, fp8_spec_keys
-from fp8core.linear import fp8_linear_forward, fp8_linear_forward_emulated, resolve_backend
+from fp8core import gemm
+from fp8core.linear import (
+    ACT_GRANULARITY,
+    fp8_linear_forward,
+    fp8_linear_forward_cpu,
+    fp8_linear_forward_emulated,
+    resolve_backend,
+)
 from fp8core.moe import experts_forward
 from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
 from fp8core.spec import FP8Spec
@@ -93,16 +100,20 @@ from rollout.vllm_bf16 import (
 
 QUANT_NAME = "fp8core"
 _SCALE = "_weight_scale_inv"
+_BACKEND_KEY = "fp8core_backend"  # the GEMM backend (FP8Spec.backend) when it is not auto
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-def quantization_config_dict(*, num_hidden_layers: int, **recipe_keys: Any) -> dict[str, Any]:
+def quantization_config_dict(*, num_hidden_layers: int, backend: str = "auto", **recipe_keys: Any) -> dict[str, Any]:
     """The ``quantization_config`` entry to put in the HF config (through ``hf_overrides``) for ``fp8core``: an
     ``fp8core.spec.FP8Spec``'s forward numerics under the recipe's key names (``configs.schema.FP8_RECIPE_KEYS``;
-    ``fp8_spec_keys(spec)`` gives them), absent keys at FP8Spec's defaults."""
-    spec = fp8_spec_from_keys(recipe_keys, where="quantization_config")
+    ``fp8_spec_keys(spec)`` gives them), absent keys at FP8Spec's defaults; a ``backend`` other than auto (the
+    trainer's ``fp8_cfg.backend``) as ``fp8core_backend``."""
+    spec = fp8_spec_from_keys(recipe_keys, where="quantization_config", backend=backend)
     unknown = set(recipe_keys) - set(FP8_RECIPE_KEYS)
     if unknown:
         raise ValueError(f"quantization_config for {QUANT_NAME} has unknown keys {sorted(unknown)}")
     cfg = {"quant_method": QUANT_NAME, "num_hidden_layers": num_hidden_layers, **fp8_spec_keys(spec)}
+    if spec.backend != "auto":
+        cfg[_BACKEND_KEY] = spec.backend
     if spec.recipe == "blockwise":
         cfg["weight_block_size"] = [GROUP, GROUP]
     Fp8CoreConfig.from_config(cfg)  # validate now, with the key names in the message
@@ -126,7 +137,8 @@ class Fp8CoreConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Fp8CoreConfig:
-        unknown = set(config) - set(FP8_RECIPE_KEYS) - {"quant_method", "weight_block_size", "num_hidden_layers"}
+        unknown = (set(config) - set(FP8_RECIPE_KEYS)
+                   - {"quant_method", "weight_block_size", "num_hidden_layers", _BACKEND_KEY})
         if unknown:
             raise ValueError(f"quantization_config for {QUANT_NAME} has unknown keys {sorted(unknown)}")
         if "num_hidden_layers" not in config:
@@ -137,7 +149,7 @@ class Fp8CoreConfig(QuantizationConfig):
             raise ValueError(f"quantization_config.weight_block_size must be {expected_block} for "
                              f"fp8_recipe={recipe!r}, got {config['weight_block_size']}")
         spec = fp8_spec_from_keys({k: v for k, v in config.items() if k in FP8_RECIPE_KEYS},
-                                  where="quantization_config")
+                                  where="quantization_config", backend=config.get(_BACKEND_KEY, "auto"))
         return cls(num_hidden_layers=config["num_hidden_layers"], spec=spec)
 
     def get_name(self) -> str:
@@ -252,7 +264,7 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
                                  "FP8 (e4m3) codes")
             layer.weight = Parameter(data, requires_grad=False)
             layer.weight_scale_inv = Parameter(layer.weight_scale_inv.data, requires_grad=False)
-            self._cache_dequantized(layer)
+            self._prepare_gemm(layer)
             return
         datas, scales = [], []
         offset = 0
@@ -263,16 +275,23 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
             offset += width
         layer.weight = Parameter(torch.cat(datas, 0), requires_grad=False)
         layer.weight_scale_inv = Parameter(torch.cat(scales, 0).to(torch.float32), requires_grad=False)
-        self._cache_dequantized(layer)
+        self._prepare_gemm(layer)
 
-    def _cache_dequantized(self, layer: torch.nn.Module) -> None:
-        """The emulation's FP32 weights (``dequantize`` of each partition) computed once per load/refit instead of
-        on every forward; same values, so outputs stay bit-identical. Not kept where the GEMM runs on FP8 data."""
-        emulated = resolve_backend("auto", layer.weight.device) == "emulated"
-        # one [N_total, K] FP32 tensor: the partitions' dequantized weights side by side, so apply() quantizes the
-        # activation once and runs one GEMM for q/k/v (gate/up) instead of one per partition
-        layer.fp8core_weight_dq = (torch.cat([dequantize(q) for q in self.partitions(layer)], 0) if emulated
-                                   else None)
+    def _prepare_gemm(self, layer: torch.nn.Module) -> None:
+        """What ``apply`` reads besides the codes, computed once per load / refit: for the CPU FP8 GEMM the
+        partitions' scales per row and K block side by side (FP32 ``[N_total, K blocks]``, ~1/32 of a byte per
+        weight); for the emulation the partitions' FP32 dequantized weights side by side (4 bytes per weight, kept
+        only when emulating); nothing for scaled_mm. Side by side, ``apply`` quantizes the activation once and runs
+        one GEMM for q/k/v (gate/up) instead of one per partition: each column is the same dot product."""
+        layer.fp8core_backend = backend = resolve_backend(self.config.spec.backend, layer.weight.device)
+        parts = self.partitions(layer)
+        layer.fp8core_weight_dq = torch.cat([dequantize(q) for q in parts], 0) if backend == "emulated" else None
+        layer.fp8core_row_scales, layer.fp8core_block = None, None
+        if backend == "cpu":
+            block = gemm.block_for(ACT_GRANULARITY[self.config.recipe], self.config.weight_granularity,
+                                   layer.weight.shape[1])
+            layer.fp8core_row_scales = torch.cat([gemm.row_scales(q, block) for q in parts], 0)
+            layer.fp8core_block = block
 
     def partitions(self, layer: torch.nn.Module) -> list[QuantizedTensor]:
         """The layer's FP8 weight as one QuantizedTensor per logical partition (views, no copies)."""
@@ -285,16 +304,18 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
         return out
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        w_dq = getattr(layer, "fp8core_weight_dq", None)
-        if w_dq is not None:  # the emulation: every partition in one GEMM (same columns, bit for bit)
-            return fp8_linear_forward_emulated(x, w_dq, bias, recipe=self.config.recipe,
+        if layer.fp8core_backend == "cpu":  # every partition in one GEMM (same columns, bit for bit)
+            return fp8_linear_forward_cpu(x, layer.weight, layer.fp8core_row_scales, bias, block=layer.fp8core_block,
+                                          recipe=self.config.recipe, pow2_activation=self.config.pow2_activation)
+        if layer.fp8core_backend == "emulated":
+            return fp8_linear_forward_emulated(x, layer.fp8core_weight_dq, bias, recipe=self.config.recipe,
                                                pow2_activation=self.config.pow2_activation)
         ys, row = [], 0
         for wq in self.partitions(layer):
             n = wq.data.shape[0]
             b = None if bias is None else bias[row:row + n]
             ys.append(fp8_linear_forward(x, wq, b, recipe=self.config.recipe,
-                                         pow2_activation=self.config.pow2_activation))
+                                         pow2_activation=self.config.pow2_activation, backend=layer.fp8core_backend))
             row += n
         return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
 
@@ -370,9 +391,11 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
             out[kind] = (torch.stack(datas), torch.stack(all_scales).to(torch.float32))
         layer.fp8core_w13, layer.fp8core_w13_scale = out["w13"]
         layer.fp8core_w2, layer.fp8core_w2_scale = out["w2"]
-        # the emulation's FP32 weights, dequantized once per load / refit (same values as per forward)
-        layer.fp8core_dq = [{p: dequantize(q) for p, q in self.expert_weights(layer, e).items()}
-                            for e in range(w.shape[0])]
+        # the GEMM backend; the emulation's FP32 weights only when emulating, dequantized once per load / refit
+        # (same values as per forward); the other backends read the codes and scales
+        layer.fp8core_backend = backend = resolve_backend(self.config.spec.backend, layer.fp8core_w13.device)
+        layer.fp8core_dq = ([{p: dequantize(q) for p, q in self.expert_weights(layer, e).items()}
+                             for e in range(w.shape[0])] if backend == "emulated" else None)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
@@ -381,8 +404,11 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
         recipe, pow2_act = self.config.recipe, self.config.pow2_activation
 
         def linear(v: torch.Tensor, e: int, part: str) -> torch.Tensor:
-            return fp8_linear_forward_emulated(v, layer.fp8core_dq[e][part], None, recipe=recipe,
-                                               pow2_activation=pow2_act)
+            if layer.fp8core_dq is not None:
+                return fp8_linear_forward_emulated(v, layer.fp8core_dq[e][part], None, recipe=recipe,
+                                                   pow2_activation=pow2_act)
+            return fp8_linear_forward(v, self.expert_weights(layer, e)[part], None, recipe=recipe,
+                                      pow2_activation=pow2_act, backend=layer.fp8core_backend)
 
-        return experts_forward(x, topk_ids, topk_weights, num_experts=len(layer.fp8core_dq), linear=linear,
+        return experts_forward(x, topk_ids, topk_weights, num_experts=layer.fp8core_w13.shape[0], linear=linear,
                                act=torch.nn.functional.silu)

@@ -183,12 +183,12 @@ def test_rollout_fp8_spec_follows_the_trainer_or_its_own_keys():
             "policy.megatron_cfg.fp8_cfg.pow2_weight_scaling_factors=true"]
     cfg = load_config(CONFIGS / "tiny_bf16.yaml", [*E2E, *over, "policy.generation.vllm_cfg.fp8_recipe=rowwise"])
     assert cfg.rollout_fp8_spec().forward_key() == cfg.trainer_fp8_spec().forward_key() == (
-        "rowwise", True, False, 0, 1)
+        "rowwise", True, False, 0, 1, "auto")
     # FP8 generation only (BF16 trainer): the rollout keys, unset ones at their defaults
     gen_only = load_config(CONFIGS / "tiny_bf16.yaml", ["policy.generation.vllm_cfg.precision=fp8",
                                                         "policy.generation.vllm_cfg.num_first_layers_in_bf16=1"])
     assert gen_only.trainer_fp8_spec() is None
-    assert gen_only.rollout_fp8_spec().forward_key() == ("blockwise", False, False, 1, 0)
+    assert gen_only.rollout_fp8_spec().forward_key() == ("blockwise", False, False, 1, 0, "auto")
     assert load_config(CONFIGS / "tiny_bf16.yaml").rollout_fp8_spec() is None
     # every shipped FP8 recipe: the engine runs the trainer's numerics
     for path in CONFIGS.glob("*.yaml"):

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from fp8core import gemm as cpu_gemm
 from fp8core.linear import (
     FP8Linear,
     FP8LinearConfig,
@@ -183,7 +184,7 @@ def test_fp8_linear_forward_rejects_wrong_weight():
 @pytest.mark.parametrize("field,value,needle", [
     ("recipe", "block", "FP8LinearConfig.recipe='block'.*'blockwise', 'rowwise', 'tensorwise'"),
     ("fmt", "e5m2", "FP8LinearConfig.fmt='e5m2'.*'e4m3', 'hybrid'"),
-    ("backend", "cuda", "FP8LinearConfig.backend='cuda'.*'auto', 'emulated', 'scaled_mm'"),
+    ("backend", "cuda", "FP8LinearConfig.backend='cuda'.*'auto', 'cpu', 'emulated', 'scaled_mm'"),
     ("pow2_weight", 1, "FP8LinearConfig.pow2_weight must be a bool"),
 ])
 def test_config_validation_names_field(field, value, needle):
@@ -204,8 +205,10 @@ def test_config_frozen_presets_and_backend_resolution():
     assert FP8Spec(recipe="tensorwise", backend="emulated").linear_config().backend == "emulated"
     with pytest.raises(ValueError, match="FP8Spec.recipe='nope'"):
         FP8Spec(recipe="nope")
-    assert resolve_backend("auto", torch.device("cpu")) == "emulated"
+    # auto on a CPU: the CPU FP8 GEMM wherever fp8core/csrc built (a build failure is a failure: test_kernels.py)
+    assert resolve_backend("auto", torch.device("cpu")) == ("cpu" if cpu_gemm.available() else "emulated")
     assert resolve_backend("scaled_mm", torch.device("cpu")) == "scaled_mm"
+    assert resolve_backend("emulated", torch.device("cpu")) == "emulated"
 
 
 def test_fp8linear_module_switch_and_state_dict():

@@ -10,8 +10,10 @@ def test_spec_builds_trainer_config_and_layers():
                 num_last_layers_in_bf16=2)
     assert s.linear_config() == FP8LinearConfig(recipe="rowwise", fmt="hybrid", pow2_weight=True)
     assert s.layer_indices(6) == [1, 2, 3] and s.weight_granularity == "rowwise"
-    # the gradient format and the backend do not change the forward numerics
+    # the gradient format does not change the forward numerics; the backend does (the order of the FP32 sums)
     assert s.forward_key() == FP8Spec(recipe="rowwise", pow2_weight=True, num_first_layers_in_bf16=1,
+                                      num_last_layers_in_bf16=2).forward_key()
+    assert s.forward_key() != FP8Spec(recipe="rowwise", fmt="hybrid", pow2_weight=True, num_first_layers_in_bf16=1,
                                       num_last_layers_in_bf16=2, backend="emulated").forward_key()
     assert s.forward_key() != FP8Spec(recipe="rowwise", num_first_layers_in_bf16=1,
                                       num_last_layers_in_bf16=2).forward_key()

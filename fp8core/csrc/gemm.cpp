@@ -1,0 +1,331 @@
+// The CPU FP8 GEMM: C[m, n] = sum over K blocks kb of (sa[m, kb] * sb[n, kb]) * P_kb[m, n], where
+// P_kb[m, n] = sum_{k in block kb} A[m, k] * B[n, k] over the FP8 codes, accumulated in FP32.
+//
+// Why this is exact up to summation order: every E4M3 / E5M2 value is a normal BF16 number (BF16 has FP32's
+// exponent range; E5M2's smallest subnormal is 2^-16), and the product of two has at most 8 significant bits, so
+// each product is exact in FP32 and the only roundings are the FP32 additions of P_kb and the scaled accumulation.
+//
+// Paths, chosen when the file is compiled for a CPU kind (fp8core/kernels.py builds one library per kind):
+//   __AVX512BF16__: VDPBF16PS. A's codes as BF16 pairs broadcast to 16 lanes, B packed [N/16][K/2][16 lanes][2]:
+//                   each lane n accumulates A[m, 2p] * B[n, 2p] + A[m, 2p+1] * B[n, 2p+1] into its FP32 sum.
+//   else __AVX2__:  the same formula in FP32 FMAs, one k at a time (8 lanes over n).
+// Order (the same for every M, every tiling and every thread count, so a row's output does not depend on its
+// batch): for each output element, blocks kb = 0, 1, ... in turn; inside a block the pairs (AVX-512 BF16) or the
+// single k (FP32 path) in increasing k into a fresh FP32 sum P_kb; then acc = fma(P_kb, sa * sb, acc) with the
+// scale product rounded to FP32 first. A K block is `block` columns (128 for the blockwise recipe; all of K for
+// rowwise / tensorwise, i.e. one GEMM over the codes then the outer product of the scales).
+// Padding: each block is padded with zero codes to an even length (AVX-512 BF16 pairs); N to the lane width.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------- FP8 code tables
+float fp8_value(uint8_t code, int fmt) {  // fmt 0: float8_e4m3fn, 1: float8_e5m2
+  const int mbits = fmt == 0 ? 3 : 2, ebits = fmt == 0 ? 4 : 5, bias = fmt == 0 ? 7 : 15;
+  const int e = (code >> mbits) & ((1 << ebits) - 1), m = code & ((1 << mbits) - 1);
+  float v;
+  if (fmt == 0 && e == 15 && m == 7) {
+    v = NAN;
+  } else if (fmt == 1 && e == 31) {
+    v = m ? NAN : INFINITY;
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<float>(m), 1 - bias - mbits);
+  } else {
+    v = std::ldexp(static_cast<float>((1 << mbits) | m), e - bias - mbits);
+  }
+  return (code & 0x80) ? -v : v;
+}
+
+struct Tables {
+  float f32[2][256];
+  uint16_t bf16[2][256];
+  Tables() {
+    for (int fmt = 0; fmt < 2; ++fmt) {
+      for (int c = 0; c < 256; ++c) {
+        const float v = fp8_value(static_cast<uint8_t>(c), fmt);
+        uint32_t bits;
+        std::memcpy(&bits, &v, 4);
+        f32[fmt][c] = v;
+        bf16[fmt][c] = static_cast<uint16_t>(bits >> 16);  // exact: an FP8 value has <= 4 significant bits
+      }
+    }
+  }
+};
+
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+struct Shape {
+  int64_t m, n, k, block, block_pad, nkb, kp;  // kp: packed K = nkb * block_pad
+};
+
+// The code at packed column c of row r (0 where the column is block padding or beyond K).
+inline uint8_t code_at(const uint8_t* x, int64_t s0, int64_t s1, int64_t r, int64_t c, const Shape& s) {
+  const int64_t kb = c / s.block_pad, j = c % s.block_pad, k = kb * s.block + j;
+  return (j < s.block && k < s.k) ? x[r * s0 + k * s1] : 0;
+}
+
+inline int64_t block_len(const Shape& s, int64_t kb) {  // valid columns of block kb
+  return std::min(s.block, s.k - kb * s.block);
+}
+
+constexpr int64_t kGrain = 1;
+
+#if defined(__AVX512BF16__)
+constexpr const char* kPath = "avx512_bf16 (VDPBF16PS, FP32 accumulation)";
+constexpr int kLanes = 16;
+using Elem = uint32_t;  // a pair of BF16 codes
+
+void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, Elem* out) {
+  const uint16_t* t = tables().bf16[fmt];
+  at::parallel_for(0, s.m, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      for (int64_t p = 0; p < s.kp / 2; ++p)
+        out[r * (s.kp / 2) + p] = static_cast<uint32_t>(t[code_at(a, s0, s1, r, 2 * p, s)]) |
+                                  (static_cast<uint32_t>(t[code_at(a, s0, s1, r, 2 * p + 1, s)]) << 16);
+  });
+}
+
+void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, Elem* out) {
+  const uint16_t* t = tables().bf16[fmt];
+  const int64_t nt = (s.n + kLanes - 1) / kLanes, pairs = s.kp / 2;
+  at::parallel_for(0, nt, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t tile = lo; tile < hi; ++tile)
+      for (int64_t p = 0; p < pairs; ++p)
+        for (int64_t i = 0; i < kLanes; ++i) {
+          const int64_t r = tile * kLanes + i;
+          out[(tile * pairs + p) * kLanes + i] =
+              r < s.n ? (static_cast<uint32_t>(t[code_at(b, s0, s1, r, 2 * p, s)]) |
+                         (static_cast<uint32_t>(t[code_at(b, s0, s1, r, 2 * p + 1, s)]) << 16))
+                      : 0u;
+        }
+  });
+}
+
+template <int MR, int NV>
+void micro(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, int64_t ldc, int64_t ncols,
+           const Shape& s) {
+  // ap: row m0's packed pairs (rows apart by kp/2); bp: tile t0's packed pairs (tiles apart by kp/2 * 16);
+  // sa: row m0's scales [nkb] (rows apart by nkb); sbp: tile t0's scales [nkb][16] (tiles apart by nkb * 16)
+  const int64_t pairs = s.kp / 2, bstride = pairs * kLanes, half = s.block_pad / 2;
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < s.nkb; ++kb) {
+    __m512 part[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) part[r][v] = _mm512_setzero_ps();
+    const int64_t p0 = kb * half, p1 = p0 + (block_len(s, kb) + 1) / 2;
+    for (int64_t p = p0; p < p1; ++p) {
+      __m512i bv[NV];
+      for (int v = 0; v < NV; ++v)
+        bv[v] = _mm512_loadu_si512(reinterpret_cast<const void*>(bp + v * bstride + p * kLanes));
+      for (int r = 0; r < MR; ++r) {
+        const __m512i av = _mm512_set1_epi32(static_cast<int>(ap[r * pairs + p]));
+        for (int v = 0; v < NV; ++v)
+          part[r][v] = _mm512_dpbf16_ps(part[r][v], (__m512bh)av, (__m512bh)bv[v]);
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m512 sb = _mm512_loadu_ps(sbp + (v * s.nkb + kb) * kLanes);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sa[r * s.nkb + kb]), sb);
+        acc[r][v] = _mm512_fmadd_ps(part[r][v], scale, acc[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t left = ncols - v * kLanes;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(c + r * ldc + v * kLanes, mask, acc[r][v]);
+  }
+}
+
+constexpr int kMaxMR = 6;
+constexpr int kNV = 2;
+#elif defined(__AVX2__)
+constexpr const char* kPath = "fp32 (AVX2 FMA; no BF16 units)";
+constexpr int kLanes = 8;
+using Elem = float;
+
+void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, Elem* out) {
+  const float* t = tables().f32[fmt];
+  at::parallel_for(0, s.m, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      for (int64_t c = 0; c < s.kp; ++c) out[r * s.kp + c] = t[code_at(a, s0, s1, r, c, s)];
+  });
+}
+
+void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, Elem* out) {
+  const float* t = tables().f32[fmt];
+  const int64_t nt = (s.n + kLanes - 1) / kLanes;
+  at::parallel_for(0, nt, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t tile = lo; tile < hi; ++tile)
+      for (int64_t c = 0; c < s.kp; ++c)
+        for (int64_t i = 0; i < kLanes; ++i) {
+          const int64_t r = tile * kLanes + i;
+          out[(tile * s.kp + c) * kLanes + i] = r < s.n ? t[code_at(b, s0, s1, r, c, s)] : 0.0f;
+        }
+  });
+}
+
+template <int MR, int NV>
+void micro(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, int64_t ldc, int64_t ncols,
+           const Shape& s) {
+  const int64_t bstride = s.kp * kLanes;
+  __m256 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < s.nkb; ++kb) {
+    __m256 part[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) part[r][v] = _mm256_setzero_ps();
+    const int64_t c0 = kb * s.block_pad, c1 = c0 + block_len(s, kb);
+    for (int64_t col = c0; col < c1; ++col) {
+      __m256 bv[NV];
+      for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(bp + v * bstride + col * kLanes);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 av = _mm256_broadcast_ss(ap + r * s.kp + col);
+        for (int v = 0; v < NV; ++v) part[r][v] = _mm256_fmadd_ps(av, bv[v], part[r][v]);
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m256 sb = _mm256_loadu_ps(sbp + (v * s.nkb + kb) * kLanes);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(sa[r * s.nkb + kb]), sb);
+        acc[r][v] = _mm256_fmadd_ps(part[r][v], scale, acc[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t left = ncols - v * kLanes;
+    if (left <= 0) break;
+    for (int r = 0; r < MR; ++r) {
+      if (left >= kLanes) {
+        _mm256_storeu_ps(c + r * ldc + v * kLanes, acc[r][v]);
+      } else {
+        alignas(32) float tmp[kLanes];
+        _mm256_store_ps(tmp, acc[r][v]);
+        std::memcpy(c + r * ldc + v * kLanes, tmp, sizeof(float) * left);
+      }
+    }
+  }
+}
+
+constexpr int kMaxMR = 3;
+constexpr int kNV = 2;
+#else
+#error "fp8core's CPU FP8 GEMM needs AVX2 (the FP32 path) or AVX-512 BF16"
+#endif
+
+template <int MR>
+void rows(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, const Shape& s,
+          int64_t t0, int64_t ntiles) {
+  // one MR-row strip against tiles [t0, t0 + ntiles) of kLanes columns, kNV tiles at a time
+  const int64_t bstride = (std::is_same<Elem, float>::value ? s.kp : s.kp / 2) * kLanes;
+  for (int64_t t = t0; t < t0 + ntiles; t += kNV) {
+    const int64_t ncols = std::min<int64_t>(kNV * kLanes, s.n - t * kLanes);
+    const int64_t nv = (ncols + kLanes - 1) / kLanes;
+    if (nv == kNV) {
+      micro<MR, kNV>(ap, bp + t * bstride, sa, sbp + t * s.nkb * kLanes, c + t * kLanes, s.n, ncols, s);
+    } else {
+      micro<MR, 1>(ap, bp + t * bstride, sa, sbp + t * s.nkb * kLanes, c + t * kLanes, s.n, ncols, s);
+    }
+  }
+}
+
+template <int MR>
+void strip(int mr, const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, const Shape& s,
+           int64_t t0, int64_t ntiles) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return strip<MR - 1>(mr, ap, bp, sa, sbp, c, s, t0, ntiles);
+  }
+  rows<MR>(ap, bp, sa, sbp, c, s, t0, ntiles);
+}
+
+int fmt_index(int64_t fmt) {
+  TORCH_CHECK(fmt == 0 || fmt == 1, "fp8_gemm: format must be 0 (e4m3) or 1 (e5m2), got ", fmt);
+  return static_cast<int>(fmt);
+}
+
+}  // namespace
+
+// a: uint8 codes [M, K] (any strides), b: uint8 codes [N, K]; a_scale float32 [M, nkb], b_scale float32 [N, nkb]
+// (per row and K block, nkb = ceil(K / block)). Returns float32 [M, N] (contiguous).
+at::Tensor fp8_gemm(const at::Tensor& a, int64_t a_fmt, const at::Tensor& a_scale, const at::Tensor& b,
+                    int64_t b_fmt, const at::Tensor& b_scale, int64_t block) {
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "fp8_gemm: CPU tensors only");
+  TORCH_CHECK(a.scalar_type() == at::kByte && b.scalar_type() == at::kByte, "fp8_gemm: codes as uint8 views");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1), "fp8_gemm: need a [M, K] and b [N, K], got ",
+              a.sizes(), " and ", b.sizes());
+  Shape s{};
+  s.m = a.size(0);
+  s.n = b.size(0);
+  s.k = a.size(1);
+  TORCH_CHECK(block >= 1, "fp8_gemm: block must be >= 1");
+  s.block = std::min<int64_t>(block, std::max<int64_t>(s.k, 1));
+  s.block_pad = (s.block + 1) / 2 * 2;
+  s.nkb = s.k == 0 ? 0 : (s.k + s.block - 1) / s.block;
+  s.kp = s.nkb * s.block_pad;
+  auto sa = a_scale.to(at::kFloat).contiguous(), sb = b_scale.to(at::kFloat).contiguous();
+  TORCH_CHECK(sa.dim() == 2 && sa.size(0) == s.m && sa.size(1) == s.nkb, "fp8_gemm: a_scale must be [", s.m, ", ",
+              s.nkb, "], got ", sa.sizes());
+  TORCH_CHECK(sb.dim() == 2 && sb.size(0) == s.n && sb.size(1) == s.nkb, "fp8_gemm: b_scale must be [", s.n, ", ",
+              s.nkb, "], got ", sb.sizes());
+  auto out = at::zeros({s.m, s.n}, a.options().dtype(at::kFloat));
+  if (s.m == 0 || s.n == 0 || s.nkb == 0) return out;
+  const int fa = fmt_index(a_fmt), fb = fmt_index(b_fmt);
+  const int64_t ntiles = (s.n + kLanes - 1) / kLanes;
+  const int64_t per_row = std::is_same<Elem, float>::value ? s.kp : s.kp / 2;
+  std::vector<Elem> ap(static_cast<size_t>(s.m * per_row)), bp(static_cast<size_t>(ntiles * per_row * kLanes));
+  pack_a(a.data_ptr<uint8_t>(), a.stride(0), a.stride(1), fa, s, ap.data());
+  pack_b(b.data_ptr<uint8_t>(), b.stride(0), b.stride(1), fb, s, bp.data());
+  // B's scales by tile: [ntiles][nkb][kLanes], 0 for padding lanes
+  std::vector<float> sbp(static_cast<size_t>(ntiles * s.nkb * kLanes), 0.0f);
+  const float* sbd = sb.data_ptr<float>();
+  for (int64_t t = 0; t < ntiles; ++t)
+    for (int64_t kb = 0; kb < s.nkb; ++kb)
+      for (int64_t i = 0; i < kLanes; ++i) {
+        const int64_t r = t * kLanes + i;
+        if (r < s.n) sbp[(t * s.nkb + kb) * kLanes + i] = sbd[r * s.nkb + kb];
+      }
+  // work items: (strip of kMaxMR rows) x (group of column tiles); each output element is computed by one item
+  // with the same instruction sequence whatever the split
+  const int64_t strips = (s.m + kMaxMR - 1) / kMaxMR;
+  const int64_t tiles_per_item = std::max<int64_t>(kNV, 8);
+  const int64_t groups = (ntiles + tiles_per_item - 1) / tiles_per_item;
+  const float* sad = sa.data_ptr<float>();
+  float* c = out.data_ptr<float>();
+  at::parallel_for(0, strips * groups, kGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t g = item / strips, st = item % strips;
+      const int64_t m0 = st * kMaxMR, mr = std::min<int64_t>(kMaxMR, s.m - m0);
+      const int64_t t0 = g * tiles_per_item, nt = std::min(tiles_per_item, ntiles - t0);
+      strip<kMaxMR>(static_cast<int>(mr), ap.data() + m0 * per_row, bp.data(), sad + m0 * s.nkb, sbp.data(),
+                    c + m0 * s.n, s, t0, nt);
+    }
+  });
+  return out;
+}
+
+std::string fp8_gemm_path() { return kPath; }
+
+TORCH_LIBRARY(fp8core, m) {
+  m.def("fp8_gemm(Tensor a, int a_fmt, Tensor a_scale, Tensor b, int b_fmt, Tensor b_scale, int block) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fp8core, CPU, m) { m.impl("fp8_gemm", &fp8_gemm); }

@@ -1,0 +1,90 @@
+"""The CPU FP8 GEMM: ``torch.ops.fp8core.fp8_gemm`` (fp8core/csrc/gemm.cpp), the one GEMM the trainer's FP8 linears
+and the rollout engine's FP8 layers call on a CPU.
+
+Numerics. ``C[m, n] = sum_kb (sa[m, kb] * sb[n, kb]) * P_kb[m, n]`` with ``P_kb`` the FP32 sum of the code
+products of K block ``kb``. Every E4M3 / E5M2 value is a normal BF16 number and the product of two is exact in FP32,
+so BF16-unit dot products with FP32 accumulation compute ``P_kb`` exactly up to the order of the additions. A K
+block is 128 columns when either operand is blockwise (group128 / block128), else all of K: rowwise and tensorwise
+are one GEMM over the codes, then ``(sa * sb) * P``. The scale product is rounded to FP32, then fused into the
+accumulator (``acc = fma(P_kb, sa * sb, acc)``, blocks in increasing order). Inside a block:
+
+* AVX-512 BF16 (and AMX CPUs, which have it): VDPBF16PS, one pair of K columns per instruction per output
+  (``acc += a[2p] * b[2p] + a[2p+1] * b[2p+1]``), pairs in increasing order;
+* AVX2 / AVX-512 without BF16 units: FP32 FMAs, one K column at a time, in increasing order.
+
+The order depends on neither M nor the tiling nor the thread count, so a row's output is the same alone or inside
+any batch (bit for bit, within one CPU kind). Across kinds the order inside a block differs (pairs vs single
+columns; VDPBF16PS's internal rounding of the pair is the hardware's), so kinds agree within the FP32 summation
+bound of the float64 reference, not bit for bit. The operation is registered with ``torch.library`` (schema in the
+C++ source, a fake kernel here) so it can be traced; it runs wherever fp8core/csrc builds (x86-64 Linux, AVX2 or
+better; fp8core.kernels).
+"""
+from __future__ import annotations
+
+import torch
+
+from fp8core import kernels
+from fp8core.quant import GROUP, QuantizedTensor
+
+__all__ = ["available", "block_for", "fp8_gemm", "fp8_gemm_rows", "path", "row_scales"]
+
+_FMT_INDEX = {"e4m3": 0, "e5m2": 1}
+_BLOCKWISE = ("group128", "block128")
+_fake_registered = False
+
+
+def available() -> bool:
+    """Whether the op is loaded in this process (the kernel library built for this CPU kind)."""
+    global _fake_registered
+    if kernels.load() is None:
+        return False
+    if not _fake_registered:
+        torch.library.register_fake("fp8core::fp8_gemm")(_fake_gemm)
+        _fake_registered = True
+    return True
+
+
+def _fake_gemm(a, a_fmt, a_scale, b, b_fmt, b_scale, block):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
+
+
+def path() -> str:
+    """The GEMM path compiled for this CPU kind, or why there is none."""
+    mod = kernels.load()
+    return mod.fp8_gemm_path() if mod is not None else f"none ({kernels.describe()})"
+
+
+def block_for(a_granularity: str, b_granularity: str, k: int) -> int:
+    """The K block of the GEMM: 128 when either operand is blockwise, else all of K (one block)."""
+    return GROUP if a_granularity in _BLOCKWISE or b_granularity in _BLOCKWISE else max(1, k)
+
+
+def row_scales(q: QuantizedTensor, block: int) -> torch.Tensor:
+    """``q``'s scales per row and K block, FP32 ``[rows, ceil(K / block)]`` (what the op reads)."""
+    rows, k = q.data.shape
+    nkb = -(-k // block) if k else 0
+    s = q.scale.to(torch.float32)
+    if q.granularity == "tensorwise":
+        return s.reshape(1, 1).expand(rows, nkb).contiguous()
+    if q.granularity == "rowwise":
+        return s.reshape(rows, 1).expand(rows, nkb).contiguous()
+    if block != GROUP:
+        raise ValueError(f"row_scales: a {q.granularity} operand needs K blocks of {GROUP}, got {block}")
+    if q.granularity == "group128":
+        return s.reshape(rows, nkb).contiguous()
+    return s.repeat_interleave(GROUP, 0)[:rows].contiguous()  # block128: each row takes its tile row's scales
+
+
+def fp8_gemm_rows(a_codes: torch.Tensor, a_fmt: str, a_rows: torch.Tensor, b_codes: torch.Tensor, b_fmt: str,
+                  b_rows: torch.Tensor, block: int) -> torch.Tensor:
+    """FP32 ``[M, N]`` from FP8 codes ``a [M, K]``, ``b [N, K]`` and their per-row block scales (:func:`row_scales`)."""
+    return torch.ops.fp8core.fp8_gemm(a_codes.view(torch.uint8), _FMT_INDEX[a_fmt], a_rows,
+                                      b_codes.view(torch.uint8), _FMT_INDEX[b_fmt], b_rows, block)
+
+
+def fp8_gemm(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
+    """FP32 ``a @ b.T`` for ``a [M, K]``, ``b [N, K]`` quantized along K (module docstring)."""
+    if not available():
+        raise RuntimeError(f"the CPU FP8 GEMM is not available: {kernels.describe()}")
+    block = block_for(a.granularity, b.granularity, a.data.shape[1])
+    return fp8_gemm_rows(a.data, a.fmt, row_scales(a, block), b.data, b.fmt, row_scales(b, block), block)
