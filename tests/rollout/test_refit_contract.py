@@ -104,6 +104,40 @@ def _engine_vs_trainer_outputs(policy, engine, layer: int) -> tuple[torch.Tensor
     return y_engine, y_trainer
 
 
+def _decode_rows_vs_trainer(policy, engine, layer: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Every input row an engine FP8 linear (down_proj of ``layer``) saw during a real generate -- the prefill and
+    decode batches vLLM formed, of changing sizes -- with the engine's outputs; and the trainer's FP8Linear on all
+    of those rows stacked into one batch. Returns (engine outputs, trainer outputs, the engine's batch sizes)."""
+    name = f"model.layers.{layer}.mlp.down_proj"
+
+    def install(model):
+        m, rec = model.get_submodule(name), []
+
+        def keep(mod, args, out):
+            y = out[0] if isinstance(out, tuple) else out
+            x = args[0].detach()
+            rec.append((x.reshape(-1, x.shape[-1]).clone(), y.detach().reshape(-1, y.shape[-1]).clone()))
+
+        m._fp8grpo_record = (m.register_forward_hook(keep), rec)
+
+    def collect(model):
+        m = model.get_submodule(name)
+        handle, rec = m._fp8grpo_record
+        handle.remove()
+        del m._fp8grpo_record
+        return rec
+
+    engine.llm.apply_model(install)
+    try:
+        engine.generate(["1 + 1 =", "What is 12 + 30?", "7"], n=3, max_tokens=12, temperature=1.0, seed=3)
+    finally:
+        rec = engine.llm.apply_model(collect)[0]
+    xs = torch.cat([x for x, _ in rec])
+    with torch.no_grad():
+        y_trainer = policy.model.get_submodule(name)(xs)
+    return torch.cat([y for _, y in rec]), y_trainer, [len(x) for x, _ in rec]
+
+
 def test_pipeline_refit_after_a_real_update_is_bit_identical_to_trainer(model_dir, tmp_path):
     """FP32-master refit (what an FP8-generation-only engine gets): the engine quantizes exactly as the trainer."""
     cfg = _cfg(tmp_path)
@@ -139,6 +173,10 @@ def test_fp8_refit_per_recipe_bit_identical_weights_and_outputs(model_dir, tmp_p
         _assert_engine_holds_trainer_fp8(policy, engine, first, last)
         y_engine, y_trainer = _engine_vs_trainer_outputs(policy, engine, first)
         assert torch.equal(y_engine, y_trainer)
+        if recipe != "tensorwise":  # token-local activation scales: a row's output does not depend on its batch
+            y_engine, y_trainer, sizes = _decode_rows_vs_trainer(policy, engine, first)
+            assert len(set(sizes)) >= 2 and max(sizes) > 1, sizes  # prefill and decode batches of several sizes
+            assert torch.equal(y_engine, y_trainer), f"engine batches {sizes} vs one trainer batch of {sum(sizes)}"
         bytes_fp8 = sum(t.numel() * t.element_size() for t in payload.values())
         bytes_fp32 = sum(t.numel() * t.element_size() for t in policy.weights().values())
         assert bytes_fp8 < 0.45 * bytes_fp32

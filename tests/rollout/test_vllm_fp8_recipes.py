@@ -9,12 +9,12 @@ from fp8core.linear import RECIPES, FP8Linear, FP8LinearConfig
 pytestmark = pytest.mark.slow  # imports vLLM (~10 s)
 
 
-def _layer(recipe, widths, k, *, pow2_w, pow2_a):
+def _layer(recipe, widths, k, *, pow2_w, pow2_a, backend="auto"):
     from rollout.vllm_fp8 import Fp8CoreConfig, Fp8CoreLinearMethod, quantization_config_dict
 
     cfg = Fp8CoreConfig.from_config(quantization_config_dict(
         num_hidden_layers=2, fp8_recipe=recipe, pow2_weight_scaling_factors=pow2_w,
-        pow2_activation_scaling_factors=pow2_a))
+        pow2_activation_scaling_factors=pow2_a, backend=backend))
     method = Fp8CoreLinearMethod(cfg)
     layer = torch.nn.Module()
     method.create_weights(layer, k, list(widths), k, sum(widths), torch.bfloat16, weight_loader=None)
@@ -48,6 +48,33 @@ def test_engine_layer_equals_trainer_fp8linear(recipe, widths, k, pow2, single_r
     with torch.no_grad():
         expected = torch.cat([lin(x) for lin in trainers], dim=-1)
     assert y.dtype == torch.bfloat16 and torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "rowwise"])
+def test_engine_rows_in_any_batch_equal_the_trainers_batch(recipe, single_rank):
+    """A fused engine layer fed the rows of one batch in decode-like pieces (1, 2, 7 and 54 rows) returns, in FP32,
+    the trainer's FP8Linear outputs on the whole batch bit for bit: the CPU GEMM's order does not depend on M. The
+    control: the dequantize -> FP32 GEMM emulation's outputs change with the batch (torch's GEMM picks its order by
+    shape), so the same comparison fails there."""
+    gen = torch.Generator().manual_seed(1)
+    widths, k = (256, 128, 128), 384
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for n in widths]
+    x = torch.randn(64, k, generator=gen) * 2
+    pieces = [(0, 1), (1, 3), (3, 10), (10, 64)]
+    for backend in ("cpu", "emulated"):
+        method, layer = _layer(recipe, widths, k, pow2_w=False, pow2_a=False, backend=backend)
+        layer.weight.data.copy_(torch.cat(weights))
+        method.process_weights_after_loading(layer)
+        assert layer.fp8core_backend == backend and (layer.fp8core_weight_dq is None) == (backend == "cpu")
+        engine = torch.cat([method.apply(layer, x[i:j]) for i, j in pieces])
+        cfg = FP8LinearConfig(recipe=recipe, backend=backend)
+        trainers = [FP8Linear(k, w.shape[0], bias=False, config=cfg) for w in weights]
+        with torch.no_grad():
+            for lin, w in zip(trainers, weights, strict=True):
+                lin.weight.copy_(w)
+            expected = torch.cat([lin(x) for lin in trainers], dim=-1)
+        assert engine.dtype == torch.float32
+        assert torch.equal(engine, expected) == (backend == "cpu"), backend
 
 
 def test_config_rejects_unknown_recipe_and_mismatched_block_size():
