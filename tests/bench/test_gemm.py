@@ -11,13 +11,18 @@ def test_kernels_compute_the_same_product_within_their_precision():
     assert torch.equal(found["fp8 emulated linear"](None).float(), ref.to(torch.bfloat16).float())
     assert torch.allclose(found["bf16 linear"](None).float(), ref, rtol=0.05, atol=0.05)
     assert torch.allclose(found["bf16 per-block"](None), ref, rtol=0.02, atol=0.02)
+    # the CPU op: the same products summed in another order, then rounded to BF16 (x is BF16)
+    assert torch.allclose(found["fp8 cpu op linear"](None).float(), ref, rtol=1e-2, atol=1e-2)
 
 
 def test_main_prints_one_row_per_kernel(capsys):
-    assert main(["--shapes", "16x128x16", "--repeats", "1", "--no-results-doc"]) == 0
+    assert main(["--shapes", "16x128x16", "--repeats", "1", "--fwd-bwd-shapes", "16x256x32", "--fwd-bwd-repeats", "1",
+                 "--no-results-doc"]) == 0
     out = capsys.readouterr().out
-    for name in ("fp8 emulated linear", "fp32 gemm", "bf16 linear", "bf16 per-block"):
+    for name in ("fp8 cpu op linear", "fp8 emulated linear", "fp32 gemm", "bf16 linear", "bf16 per-block"):
         assert f"| 16x128x16 | {name} |" in out
+    for name in ("fp8 cpu fwd+bwd", "fp8 emulated fwd+bwd", "bf16 linear fwd+bwd"):
+        assert f"| 16x256x32 | {name} |" in out
 
 
 @pytest.mark.parametrize("shapes", ["16x100x16", "16x128", "axbxc"])
