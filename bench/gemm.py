@@ -6,9 +6,9 @@
 For each shape (tokens M x in-features K x out-features N), median wall time over ``--repeats`` calls, with the
 process's threads, of:
 
-* ``fp8 cpu op linear``: fp8core.linear.fp8_linear_forward on the CPU FP8 GEMM (fp8core.gemm) with the weight
-  already quantized -- the call the trainer's FP8Linear and the vLLM plugin make on a CPU (activation quantize +
-  the op + cast), where fp8core/csrc built;
+* ``fp8 cpu op linear``: fp8core.linear.fp8_linear_forward_cpu on the CPU FP8 GEMM (fp8core.gemm) with the weight
+  already quantized and packed -- the call the trainer's FP8Linear and the vLLM plugin make on a CPU (activation
+  quantize + the op + cast), where fp8core/csrc built;
 * ``fp8 emulated linear``: fp8core.linear.fp8_linear_forward_emulated with the weight already dequantized -- the
   call before the CPU op (activation quantize-dequantize + the FP32 GEMM + cast);
 * ``fp32 gemm``: that call's GEMM alone (FP32 operands holding FP8 values times their scales);
@@ -72,7 +72,7 @@ def timed(fn, repeats: int) -> float:
 def kernels(m: int, k: int, n: int) -> dict:
     """name -> fn(rows) computing the rows ``[0, rows)`` of the batch (all rows when None)."""
     from fp8core import gemm
-    from fp8core.linear import fp8_linear_forward, fp8_linear_forward_emulated
+    from fp8core.linear import fp8_linear_forward_cpu, fp8_linear_forward_emulated, pack_weight
     from fp8core.quant import dequantize, quantize
 
     g = torch.Generator().manual_seed(0)
@@ -97,8 +97,9 @@ def kernels(m: int, k: int, n: int) -> dict:
             out += F.linear(xb[:rows, c:c + BLOCK], wb[:, c:c + BLOCK]).float()
         return out
 
-    cpu_op = {"fp8 cpu op linear": lambda rows: fp8_linear_forward(x[:rows], w_q, recipe="blockwise", backend="cpu")
-              } if gemm.available() else {}
+    w_packed = pack_weight(w_q, "blockwise") if gemm.available() else None  # once per refit / optimizer update
+    cpu_op = {"fp8 cpu op linear": lambda rows: fp8_linear_forward_cpu(x[:rows], w_packed, recipe="blockwise")
+              } if w_packed is not None else {}
     return {
         **cpu_op,
         "fp8 emulated linear": lambda rows: fp8_linear_forward_emulated(x[:rows], w_dq, recipe="blockwise"),

@@ -21,12 +21,15 @@ better; fp8core.kernels).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from fp8core import kernels
 from fp8core.quant import GROUP, QuantizedTensor
 
-__all__ = ["available", "block_for", "fp8_gemm", "fp8_gemm_rows", "path", "row_scales"]
+__all__ = ["PackedWeight", "available", "block_for", "fp8_gemm", "fp8_gemm_packed", "fp8_gemm_rows", "pack_weight",
+           "path", "row_scales"]
 
 _FMT_INDEX = {"e4m3": 0, "e5m2": 1}
 _BLOCKWISE = ("group128", "block128")
@@ -39,13 +42,30 @@ def available() -> bool:
     if kernels.load() is None:
         return False
     if not _fake_registered:
-        torch.library.register_fake("fp8core::fp8_gemm")(_fake_gemm)
+        lanes = kernels.load().fp8_gemm_lanes()
+        value_dtype = torch.int16 if lanes == 16 else torch.float32  # BF16 bits / FP32 values (the build's layout)
+
+        def packed_sizes(n, k, block):
+            block = min(block, max(k, 1))
+            nkb = -(-k // block) if k else 0
+            tiles = -(-n // lanes)
+            return tiles * nkb * (block + block % 2) * lanes, tiles * nkb * lanes
+
+        @torch.library.register_fake("fp8core::fp8_gemm")
+        def _(a, a_fmt, a_scale, b, b_fmt, b_scale, block):
+            return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
+
+        @torch.library.register_fake("fp8core::fp8_pack")
+        def _(b, b_fmt, b_scale, block):
+            values, scales = packed_sizes(b.shape[0], b.shape[1], block)
+            return b.new_empty((values,), dtype=value_dtype), b.new_empty((scales,), dtype=torch.float32)
+
+        @torch.library.register_fake("fp8core::fp8_gemm_packed")
+        def _(a, a_fmt, a_scale, b_values, b_scales, n, block):
+            return a.new_empty((a.shape[0], n), dtype=torch.float32)
+
         _fake_registered = True
     return True
-
-
-def _fake_gemm(a, a_fmt, a_scale, b, b_fmt, b_scale, block):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
 
 
 def path() -> str:
@@ -80,6 +100,37 @@ def fp8_gemm_rows(a_codes: torch.Tensor, a_fmt: str, a_rows: torch.Tensor, b_cod
     """FP32 ``[M, N]`` from FP8 codes ``a [M, K]``, ``b [N, K]`` and their per-row block scales (:func:`row_scales`)."""
     return torch.ops.fp8core.fp8_gemm(a_codes.view(torch.uint8), _FMT_INDEX[a_fmt], a_rows,
                                       b_codes.view(torch.uint8), _FMT_INDEX[b_fmt], b_rows, block)
+
+
+class PackedWeight(NamedTuple):
+    """A weight-side operand packed once for the op (``pack_weight``): its values in this build's layout and its
+    scales by tile; ``n`` rows, contracted in K blocks of ``block``. Holds 2 bytes per weight (BF16 pairs) on CPUs
+    with BF16 units, 4 (FP32) elsewhere."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    n: int
+    k: int
+    block: int
+
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def pack_weight(codes: torch.Tensor, fmt: str, rows: torch.Tensor, block: int) -> PackedWeight:
+    """Pack FP8 ``codes [N, K]`` with their per-row block scales (``row_scales``) for :func:`fp8_gemm_packed`: done
+    once per refit (the engine) or per optimizer update (the trainer's WeightCache), not per call."""
+    values, scales = torch.ops.fp8core.fp8_pack(codes.view(torch.uint8), _FMT_INDEX[fmt], rows, block)
+    return PackedWeight(values, scales, codes.shape[0], codes.shape[1], block)
+
+
+def fp8_gemm_packed(a_codes: torch.Tensor, a_fmt: str, a_rows: torch.Tensor, b: PackedWeight) -> torch.Tensor:
+    """FP32 ``[M, N]``: ``a [M, K]`` (codes and per-row block scales) times the packed weight ``b``, transposed.
+    Bit for bit :func:`fp8_gemm_rows` on the codes ``b`` was packed from."""
+    if a_codes.shape[-1] != b.k:
+        raise ValueError(f"fp8_gemm_packed: a has K = {a_codes.shape[-1]}, the packed weight K = {b.k}")
+    return torch.ops.fp8core.fp8_gemm_packed(a_codes.view(torch.uint8), _FMT_INDEX[a_fmt], a_rows, b.values,
+                                             b.scales, b.n, b.block)
 
 
 def fp8_gemm(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:

@@ -80,6 +80,7 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_forward",
     "fp8_linear_forward_cpu",
+    "pack_weight",
     "fp8_linear_forward_emulated",
     "fp8_mm",
     "resolve_backend",
@@ -263,9 +264,8 @@ def fp8_linear_forward(x: torch.Tensor, weight_q: QuantizedTensor, bias: torch.T
         return fp8_linear_forward_emulated(x, dequantize(weight_q) if weight_dq is None else weight_dq, bias,
                                            recipe=recipe, pow2_activation=pow2_activation)
     if backend == "cpu":
-        block = gemm.block_for(ACT_GRANULARITY[recipe], weight_q.granularity, k)
-        return fp8_linear_forward_cpu(x, weight_q.data, gemm.row_scales(weight_q, block), bias, block=block,
-                                      recipe=recipe, pow2_activation=pow2_activation)
+        return fp8_linear_forward_cpu(x, pack_weight(weight_q, recipe), bias, recipe=recipe,
+                                      pow2_activation=pow2_activation)
     x_q = quantize(x.reshape(-1, k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
     y = fp8_mm(x_q, weight_q, backend=backend)
     if bias is not None:
@@ -273,20 +273,23 @@ def fp8_linear_forward(x: torch.Tensor, weight_q: QuantizedTensor, bias: torch.T
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def fp8_linear_forward_cpu(x: torch.Tensor, weight_codes: torch.Tensor, weight_rows: torch.Tensor,
-                           bias: torch.Tensor | None = None, *, block: int, recipe: str = "blockwise",
-                           pow2_activation: bool = False) -> torch.Tensor:
-    """:func:`fp8_linear_forward` on the CPU FP8 GEMM, given the weight's E4M3 codes ``[N, K]`` and their scales
-    per row and K block (``fp8core.gemm.row_scales``). The trainer's FP8Linear and the engine's FP8 layers both
-    run this function; the engine passes several partitions' codes and row scales side by side (q/k/v, gate/up,
-    each quantized on its own), so the activation is quantized once and each output column is the same dot
-    product as with the partitions one by one."""
-    k, n = weight_codes.shape[1], weight_codes.shape[0]
-    x_q = quantize(x.reshape(-1, k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
-    y = gemm.fp8_gemm_rows(x_q.data, "e4m3", gemm.row_scales(x_q, block), weight_codes, "e4m3", weight_rows, block)
+def pack_weight(weight_q: QuantizedTensor, recipe: str) -> gemm.PackedWeight:
+    """``weight_q`` (quantized along its last dim) packed for the CPU FP8 GEMM against ``recipe``'s activations."""
+    block = gemm.block_for(ACT_GRANULARITY[recipe], weight_q.granularity, weight_q.data.shape[1])
+    return gemm.pack_weight(weight_q.data, weight_q.fmt, gemm.row_scales(weight_q, block), block)
+
+
+def fp8_linear_forward_cpu(x: torch.Tensor, weight: gemm.PackedWeight, bias: torch.Tensor | None = None, *,
+                           recipe: str = "blockwise", pow2_activation: bool = False) -> torch.Tensor:
+    """:func:`fp8_linear_forward` on the CPU FP8 GEMM with the weight packed (:func:`pack_weight`, once per refit or
+    optimizer update). The trainer's FP8Linear and the engine's FP8 layers both run this function; the engine packs
+    several partitions side by side (q/k/v, gate/up, each quantized on its own), so the activation is quantized once
+    and each output column is the same dot product as with the partitions one by one."""
+    x_q = quantize(x.reshape(-1, weight.k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
+    y = gemm.fp8_gemm_packed(x_q.data, "e4m3", gemm.row_scales(x_q, weight.block), weight)
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.n)
 
 
 def fp8_linear_forward_emulated(x: torch.Tensor, weight_dq: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -348,6 +351,21 @@ class WeightCache:
                 vals["q"] = quantize(weight.detach(), gran, fmt="e4m3", pow2=config.pow2_weight)
         return vals["q"], vals.get("dq") if dequantized else None
 
+    def packed(self, weight: torch.Tensor, config: FP8LinearConfig, *, transposed: bool = False) -> gemm.PackedWeight:
+        """The weight packed for the CPU FP8 GEMM: the forward's (``[N, K]``), or with ``transposed`` the dgrad's
+        (``[K, N]``: the forward's block128 / tensorwise codes transposed, exact; rowwise re-quantized per input
+        feature, along N)."""
+        vals = self._fresh(weight, config)
+        key = "packed_t" if transposed else "packed"
+        if key not in vals:
+            if transposed and config.recipe == "rowwise":
+                q = quantize(weight.detach().t(), "rowwise", fmt="e4m3", pow2=config.pow2_weight)
+            else:
+                q = self.get(weight, config)[0]
+                q = q.t() if transposed else q
+            vals[key] = pack_weight(q, config.recipe)
+        return vals[key]
+
     def get_rowwise_t(self, weight: torch.Tensor, config: FP8LinearConfig) -> torch.Tensor:
         """The rowwise recipe's dgrad weight: ``dequantize(quantize(weight.t(), "rowwise"))`` ([K, N], FP32)."""
         vals = self._fresh(weight, config)
@@ -377,6 +395,13 @@ class _FP8LinearFunction(torch.autograd.Function):
     def _forward(ctx, x, weight, bias, config: FP8LinearConfig, cache: WeightCache | None):
         backend = resolve_backend(config.backend, x.device)
         emulated = backend == "emulated"
+        if backend == "cpu":  # the packed weight is cached with the codes (a fresh one per use without a cache)
+            y = fp8_linear_forward_cpu(x, (WeightCache() if cache is None else cache).packed(weight, config), bias,
+                                       recipe=config.recipe, pow2_activation=config.pow2_activation)
+            ctx.save_for_backward(x, weight)
+            ctx.config, ctx.cache, ctx.backend = config, cache, backend
+            ctx.bias_dtype = None if bias is None else bias.dtype
+            return y
         w_q, w_dq = (WeightCache() if cache is None else cache).get(weight, config, dequantized=emulated)
         y = fp8_linear_forward(x, w_q, bias, recipe=config.recipe, pow2_activation=config.pow2_activation,
                                backend=backend, weight_dq=w_dq)
@@ -394,6 +419,8 @@ class _FP8LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         cfg: FP8LinearConfig = ctx.config
         cache = ctx.cache
+        if ctx.backend == "cpu":
+            return _FP8LinearFunction._backward_cpu(ctx, dy)
         if cache is None:  # quantize the (re-gathered) weight again: the forward's codes and scales
             x, weight = ctx.saved_tensors
             cache = WeightCache()
@@ -428,6 +455,30 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dyt_q = quantize(dy2.t(), gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
                 xt_q = quantize(x.reshape(-1, k).t(), gran, fmt="e4m3", pow2=cfg.pow2_activation)
                 dw = fp8_mm(dyt_q, xt_q, backend=ctx.backend).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None, None
+
+    @staticmethod
+    def _backward_cpu(ctx, dy):
+        """dgrad and wgrad on the CPU FP8 GEMM: dX = dY @ W with the dgrad weight packed once per update (cached), dW =
+        dY.T @ X with both operands quantized along tokens (packed per call: they are new every step)."""
+        cfg: FP8LinearConfig = ctx.config
+        x, weight = ctx.saved_tensors
+        cache = WeightCache() if ctx.cache is None else ctx.cache  # none: the re-gathered weight, quantized again
+        n, k = weight.shape
+        gran = ACT_GRANULARITY[cfg.recipe]
+        dy2 = dy.reshape(-1, n)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            w_t = cache.packed(weight, cfg, transposed=True)
+            dy_q = quantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
+            dx = gemm.fp8_gemm_packed(dy_q.data, cfg.grad_fmt, gemm.row_scales(dy_q, w_t.block), w_t)
+            dx = dx.to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            dyt_q = quantize(dy2.t(), gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
+            xt_q = quantize(x.reshape(-1, k).t(), gran, fmt="e4m3", pow2=cfg.pow2_activation)
+            dw = gemm.fp8_gemm(dyt_q, xt_q).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None

@@ -84,6 +84,7 @@ from fp8core.linear import (
     fp8_linear_forward,
     fp8_linear_forward_cpu,
     fp8_linear_forward_emulated,
+    pack_weight,
     resolve_backend,
 )
 from fp8core.moe import experts_forward
@@ -278,20 +279,21 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
         self._prepare_gemm(layer)
 
     def _prepare_gemm(self, layer: torch.nn.Module) -> None:
-        """What ``apply`` reads besides the codes, computed once per load / refit: for the CPU FP8 GEMM the
-        partitions' scales per row and K block side by side (FP32 ``[N_total, K blocks]``, ~1/32 of a byte per
-        weight); for the emulation the partitions' FP32 dequantized weights side by side (4 bytes per weight, kept
-        only when emulating); nothing for scaled_mm. Side by side, ``apply`` quantizes the activation once and runs
-        one GEMM for q/k/v (gate/up) instead of one per partition: each column is the same dot product."""
+        """What ``apply`` reads, computed once per load / refit: for the CPU FP8 GEMM the partitions' codes packed
+        side by side with their scales per row and K block (``fp8core.gemm.PackedWeight``: 2 bytes per weight on
+        CPUs with BF16 units, 4 without, + ~1/32 of a byte of scales); for the emulation the partitions' FP32
+        dequantized weights side by side (4 bytes per weight, kept only when emulating); nothing for scaled_mm (it
+        reads the codes). Side by side, ``apply`` quantizes the activation once and runs one GEMM for q/k/v
+        (gate/up) instead of one per partition: each column is the same dot product."""
         layer.fp8core_backend = backend = resolve_backend(self.config.spec.backend, layer.weight.device)
         parts = self.partitions(layer)
         layer.fp8core_weight_dq = torch.cat([dequantize(q) for q in parts], 0) if backend == "emulated" else None
-        layer.fp8core_row_scales, layer.fp8core_block = None, None
+        layer.fp8core_packed = None
         if backend == "cpu":
             block = gemm.block_for(ACT_GRANULARITY[self.config.recipe], self.config.weight_granularity,
                                    layer.weight.shape[1])
-            layer.fp8core_row_scales = torch.cat([gemm.row_scales(q, block) for q in parts], 0)
-            layer.fp8core_block = block
+            rows = torch.cat([gemm.row_scales(q, block) for q in parts], 0)
+            layer.fp8core_packed = gemm.pack_weight(layer.weight.data, "e4m3", rows, block)
 
     def partitions(self, layer: torch.nn.Module) -> list[QuantizedTensor]:
         """The layer's FP8 weight as one QuantizedTensor per logical partition (views, no copies)."""
@@ -305,8 +307,8 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.fp8core_backend == "cpu":  # every partition in one GEMM (same columns, bit for bit)
-            return fp8_linear_forward_cpu(x, layer.weight, layer.fp8core_row_scales, bias, block=layer.fp8core_block,
-                                          recipe=self.config.recipe, pow2_activation=self.config.pow2_activation)
+            return fp8_linear_forward_cpu(x, layer.fp8core_packed, bias, recipe=self.config.recipe,
+                                          pow2_activation=self.config.pow2_activation)
         if layer.fp8core_backend == "emulated":
             return fp8_linear_forward_emulated(x, layer.fp8core_weight_dq, bias, recipe=self.config.recipe,
                                                pow2_activation=self.config.pow2_activation)
@@ -394,8 +396,12 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
         # the GEMM backend; the emulation's FP32 weights only when emulating, dequantized once per load / refit
         # (same values as per forward); the other backends read the codes and scales
         layer.fp8core_backend = backend = resolve_backend(self.config.spec.backend, layer.fp8core_w13.device)
-        layer.fp8core_dq = ([{p: dequantize(q) for p, q in self.expert_weights(layer, e).items()}
-                             for e in range(w.shape[0])] if backend == "emulated" else None)
+        experts = [self.expert_weights(layer, e) for e in range(w.shape[0])]
+        layer.fp8core_dq = ([{p: dequantize(q) for p, q in ws.items()} for ws in experts] if backend == "emulated"
+                            else None)
+        # the CPU FP8 GEMM: each expert's projections packed once per load / refit, as the dense layers
+        layer.fp8core_packed = ([{p: pack_weight(q, self.config.recipe) for p, q in ws.items()} for ws in experts]
+                                if backend == "cpu" else None)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
@@ -404,6 +410,9 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
         recipe, pow2_act = self.config.recipe, self.config.pow2_activation
 
         def linear(v: torch.Tensor, e: int, part: str) -> torch.Tensor:
+            if layer.fp8core_packed is not None:
+                return fp8_linear_forward_cpu(v, layer.fp8core_packed[e][part], None, recipe=recipe,
+                                              pow2_activation=pow2_act)
             if layer.fp8core_dq is not None:
                 return fp8_linear_forward_emulated(v, layer.fp8core_dq[e][part], None, recipe=recipe,
                                                    pow2_activation=pow2_act)

@@ -89,32 +89,6 @@ constexpr const char* kPath = "avx512_bf16 (VDPBF16PS, FP32 accumulation)";
 constexpr int kLanes = 16;
 using Elem = uint32_t;  // a pair of BF16 codes
 
-void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, Elem* out) {
-  const uint16_t* t = tables().bf16[fmt];
-  at::parallel_for(0, s.m, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r)
-      for (int64_t p = 0; p < s.kp / 2; ++p)
-        out[r * (s.kp / 2) + p] = static_cast<uint32_t>(t[code_at(a, s0, s1, r, 2 * p, s)]) |
-                                  (static_cast<uint32_t>(t[code_at(a, s0, s1, r, 2 * p + 1, s)]) << 16);
-  });
-}
-
-void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, Elem* out) {
-  const uint16_t* t = tables().bf16[fmt];
-  const int64_t nt = (s.n + kLanes - 1) / kLanes, pairs = s.kp / 2;
-  at::parallel_for(0, nt, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t tile = lo; tile < hi; ++tile)
-      for (int64_t p = 0; p < pairs; ++p)
-        for (int64_t i = 0; i < kLanes; ++i) {
-          const int64_t r = tile * kLanes + i;
-          out[(tile * pairs + p) * kLanes + i] =
-              r < s.n ? (static_cast<uint32_t>(t[code_at(b, s0, s1, r, 2 * p, s)]) |
-                         (static_cast<uint32_t>(t[code_at(b, s0, s1, r, 2 * p + 1, s)]) << 16))
-                      : 0u;
-        }
-  });
-}
-
 template <int MR, int NV>
 void micro(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, int64_t ldc, int64_t ncols,
            const Shape& s) {
@@ -161,27 +135,6 @@ constexpr int kNV = 2;
 constexpr const char* kPath = "fp32 (AVX2 FMA; no BF16 units)";
 constexpr int kLanes = 8;
 using Elem = float;
-
-void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, Elem* out) {
-  const float* t = tables().f32[fmt];
-  at::parallel_for(0, s.m, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r)
-      for (int64_t c = 0; c < s.kp; ++c) out[r * s.kp + c] = t[code_at(a, s0, s1, r, c, s)];
-  });
-}
-
-void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, Elem* out) {
-  const float* t = tables().f32[fmt];
-  const int64_t nt = (s.n + kLanes - 1) / kLanes;
-  at::parallel_for(0, nt, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t tile = lo; tile < hi; ++tile)
-      for (int64_t c = 0; c < s.kp; ++c)
-        for (int64_t i = 0; i < kLanes; ++i) {
-          const int64_t r = tile * kLanes + i;
-          out[(tile * s.kp + c) * kLanes + i] = r < s.n ? t[code_at(b, s0, s1, r, c, s)] : 0.0f;
-        }
-  });
-}
 
 template <int MR, int NV>
 void micro(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, int64_t ldc, int64_t ncols,
@@ -232,6 +185,55 @@ constexpr int kNV = 2;
 #error "fp8core's CPU FP8 GEMM needs AVX2 (the FP32 path) or AVX-512 BF16"
 #endif
 
+// ------------------------------------------------------------------------------------------------------ packing
+// The operands as the micro-kernel reads them. A: [M][kp] values (BF16 bits / FP32), each K block padded with zeros
+// to block_pad columns. B: [ntiles][kp][kLanes] for the FP32 path, [ntiles][kp / 2][kLanes][2] for the pair path
+// (lane i's two columns of a pair side by side), with zero rows past N; B's scales [ntiles][nkb][kLanes].
+#if defined(__AVX512BF16__)
+using Value = uint16_t;
+inline const Value* value_table(int fmt) { return tables().bf16[fmt]; }
+inline int64_t b_index(const Shape& s, int64_t tile, int64_t i, int64_t c) {
+  return ((tile * (s.kp / 2) + c / 2) * kLanes + i) * 2 + (c & 1);
+}
+#else
+using Value = float;
+inline const Value* value_table(int fmt) { return tables().f32[fmt]; }
+inline int64_t b_index(const Shape& s, int64_t tile, int64_t i, int64_t c) { return (tile * s.kp + c) * kLanes + i; }
+#endif
+static_assert(sizeof(Elem) == 2 * sizeof(Value) || std::is_same<Elem, Value>::value, "element layout");
+
+void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, Value* out) {
+  const Value* t = value_table(fmt);
+  at::parallel_for(0, s.m, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      Value* row = out + r * s.kp;
+      std::fill(row, row + s.kp, Value(0));
+      for (int64_t kb = 0; kb < s.nkb; ++kb) {
+        const int64_t len = block_len(s, kb);
+        const uint8_t* src = a + r * s0 + kb * s.block * s1;
+        Value* dst = row + kb * s.block_pad;
+        for (int64_t j = 0; j < len; ++j) dst[j] = t[src[j * s1]];
+      }
+    }
+  });
+}
+
+void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, Value* out) {
+  const Value* t = value_table(fmt);
+  const int64_t ntiles = (s.n + kLanes - 1) / kLanes;
+  std::fill(out, out + ntiles * s.kp * kLanes, Value(0));
+  at::parallel_for(0, ntiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t tile = lo; tile < hi; ++tile)
+      for (int64_t i = 0; i < kLanes && tile * kLanes + i < s.n; ++i) {
+        const uint8_t* row = b + (tile * kLanes + i) * s0;
+        for (int64_t kb = 0; kb < s.nkb; ++kb) {
+          const int64_t len = block_len(s, kb);
+          for (int64_t j = 0; j < len; ++j) out[b_index(s, tile, i, kb * s.block_pad + j)] = t[row[(kb * s.block + j) * s1]];
+        }
+      }
+  });
+}
+
 template <int MR>
 void rows(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, const Shape& s,
           int64_t t0, int64_t ntiles) {
@@ -264,68 +266,114 @@ int fmt_index(int64_t fmt) {
 
 }  // namespace
 
-// a: uint8 codes [M, K] (any strides), b: uint8 codes [N, K]; a_scale float32 [M, nkb], b_scale float32 [N, nkb]
-// (per row and K block, nkb = ceil(K / block)). Returns float32 [M, N] (contiguous).
-at::Tensor fp8_gemm(const at::Tensor& a, int64_t a_fmt, const at::Tensor& a_scale, const at::Tensor& b,
-                    int64_t b_fmt, const at::Tensor& b_scale, int64_t block) {
-  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "fp8_gemm: CPU tensors only");
-  TORCH_CHECK(a.scalar_type() == at::kByte && b.scalar_type() == at::kByte, "fp8_gemm: codes as uint8 views");
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1), "fp8_gemm: need a [M, K] and b [N, K], got ",
-              a.sizes(), " and ", b.sizes());
-  Shape s{};
-  s.m = a.size(0);
-  s.n = b.size(0);
-  s.k = a.size(1);
+namespace {
+
+Shape shape_of(int64_t m, int64_t n, int64_t k, int64_t block) {
   TORCH_CHECK(block >= 1, "fp8_gemm: block must be >= 1");
-  s.block = std::min<int64_t>(block, std::max<int64_t>(s.k, 1));
+  Shape s{};
+  s.m = m;
+  s.n = n;
+  s.k = k;
+  s.block = std::min<int64_t>(block, std::max<int64_t>(k, 1));
   s.block_pad = (s.block + 1) / 2 * 2;
-  s.nkb = s.k == 0 ? 0 : (s.k + s.block - 1) / s.block;
+  s.nkb = k == 0 ? 0 : (k + s.block - 1) / s.block;
   s.kp = s.nkb * s.block_pad;
-  auto sa = a_scale.to(at::kFloat).contiguous(), sb = b_scale.to(at::kFloat).contiguous();
-  TORCH_CHECK(sa.dim() == 2 && sa.size(0) == s.m && sa.size(1) == s.nkb, "fp8_gemm: a_scale must be [", s.m, ", ",
-              s.nkb, "], got ", sa.sizes());
-  TORCH_CHECK(sb.dim() == 2 && sb.size(0) == s.n && sb.size(1) == s.nkb, "fp8_gemm: b_scale must be [", s.n, ", ",
-              s.nkb, "], got ", sb.sizes());
+  return s;
+}
+
+at::Tensor rows_scales(const at::Tensor& scale, int64_t rows, int64_t nkb, const char* what) {
+  auto out = scale.to(at::kFloat).contiguous();
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == nkb, "fp8_gemm: ", what, " must be [", rows,
+              ", ", nkb, "], got ", out.sizes());
+  return out;
+}
+
+int64_t packed_values(const Shape& s) { return (s.n + kLanes - 1) / kLanes * s.kp * kLanes; }
+int64_t packed_scales(const Shape& s) { return (s.n + kLanes - 1) / kLanes * s.nkb * kLanes; }
+
+}  // namespace
+
+// Pack the weight-side operand once (per refit / optimizer update): b uint8 codes [N, K] (any strides), b_scale
+// float32 [N, nkb] (per row and K block). Returns (values: this build's value type as int16 / float32, flat; scales:
+// float32, flat) -- a layout private to this build, read only by fp8_gemm_packed of the same process.
+std::tuple<at::Tensor, at::Tensor> fp8_pack(const at::Tensor& b, int64_t b_fmt, const at::Tensor& b_scale,
+                                            int64_t block) {
+  TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kByte && b.dim() == 2, "fp8_pack: uint8 CPU codes [N, K]");
+  const Shape s = shape_of(0, b.size(0), b.size(1), block);
+  const auto sb = rows_scales(b_scale, s.n, s.nkb, "b_scale");
+  const bool bf16 = std::is_same<Value, uint16_t>::value;
+  auto values = at::empty({packed_values(s)}, b.options().dtype(bf16 ? at::kShort : at::kFloat));
+  auto scales = at::zeros({packed_scales(s)}, b.options().dtype(at::kFloat));
+  if (s.n == 0 || s.nkb == 0) return {values, scales};
+  pack_b(b.data_ptr<uint8_t>(), b.stride(0), b.stride(1), fmt_index(b_fmt), s,
+         reinterpret_cast<Value*>(values.data_ptr()));
+  const float* src = sb.data_ptr<float>();
+  float* dst = scales.data_ptr<float>();
+  for (int64_t r = 0; r < s.n; ++r)
+    for (int64_t kb = 0; kb < s.nkb; ++kb)
+      dst[((r / kLanes) * s.nkb + kb) * kLanes + r % kLanes] = src[r * s.nkb + kb];
+  return {values, scales};
+}
+
+// C = A @ B.T from A's uint8 codes [M, K] (any strides) + a_scale float32 [M, nkb] and B packed by fp8_pack.
+at::Tensor fp8_gemm_packed(const at::Tensor& a, int64_t a_fmt, const at::Tensor& a_scale, const at::Tensor& b_values,
+                           const at::Tensor& b_scales, int64_t n, int64_t block) {
+  TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kByte && a.dim() == 2, "fp8_gemm: uint8 CPU codes [M, K]");
+  const Shape s = shape_of(a.size(0), n, a.size(1), block);
+  const auto sa = rows_scales(a_scale, s.m, s.nkb, "a_scale");
+  TORCH_CHECK(b_values.numel() == packed_values(s) && b_scales.numel() == packed_scales(s) && b_values.is_contiguous()
+              && b_scales.is_contiguous() && b_values.element_size() == static_cast<int64_t>(sizeof(Value)),
+              "fp8_gemm_packed: the packed weight does not match N = ", n, ", K = ", s.k, ", block = ", s.block,
+              " (pack it with fp8_pack in this process)");
   auto out = at::zeros({s.m, s.n}, a.options().dtype(at::kFloat));
   if (s.m == 0 || s.n == 0 || s.nkb == 0) return out;
-  const int fa = fmt_index(a_fmt), fb = fmt_index(b_fmt);
+  std::vector<Value> ap(static_cast<size_t>(s.m * s.kp));
+  pack_a(a.data_ptr<uint8_t>(), a.stride(0), a.stride(1), fmt_index(a_fmt), s, ap.data());
   const int64_t ntiles = (s.n + kLanes - 1) / kLanes;
-  const int64_t per_row = std::is_same<Elem, float>::value ? s.kp : s.kp / 2;
-  std::vector<Elem> ap(static_cast<size_t>(s.m * per_row)), bp(static_cast<size_t>(ntiles * per_row * kLanes));
-  pack_a(a.data_ptr<uint8_t>(), a.stride(0), a.stride(1), fa, s, ap.data());
-  pack_b(b.data_ptr<uint8_t>(), b.stride(0), b.stride(1), fb, s, bp.data());
-  // B's scales by tile: [ntiles][nkb][kLanes], 0 for padding lanes
-  std::vector<float> sbp(static_cast<size_t>(ntiles * s.nkb * kLanes), 0.0f);
-  const float* sbd = sb.data_ptr<float>();
-  for (int64_t t = 0; t < ntiles; ++t)
-    for (int64_t kb = 0; kb < s.nkb; ++kb)
-      for (int64_t i = 0; i < kLanes; ++i) {
-        const int64_t r = t * kLanes + i;
-        if (r < s.n) sbp[(t * s.nkb + kb) * kLanes + i] = sbd[r * s.nkb + kb];
-      }
-  // work items: (strip of kMaxMR rows) x (group of column tiles); each output element is computed by one item
-  // with the same instruction sequence whatever the split
+  const int64_t per_row = s.kp * static_cast<int64_t>(sizeof(Value)) / static_cast<int64_t>(sizeof(Elem));
+  // work items: (strip of kMaxMR rows) x (group of column tiles); each output element is computed by one item with
+  // the same instruction sequence whatever the split
   const int64_t strips = (s.m + kMaxMR - 1) / kMaxMR;
   const int64_t tiles_per_item = std::max<int64_t>(kNV, 8);
   const int64_t groups = (ntiles + tiles_per_item - 1) / tiles_per_item;
+  const Elem* apd = reinterpret_cast<const Elem*>(ap.data());
+  const Elem* bpd = reinterpret_cast<const Elem*>(b_values.data_ptr());
   const float* sad = sa.data_ptr<float>();
+  const float* sbp = b_scales.data_ptr<float>();
   float* c = out.data_ptr<float>();
   at::parallel_for(0, strips * groups, kGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t g = item / strips, st = item % strips;
       const int64_t m0 = st * kMaxMR, mr = std::min<int64_t>(kMaxMR, s.m - m0);
       const int64_t t0 = g * tiles_per_item, nt = std::min(tiles_per_item, ntiles - t0);
-      strip<kMaxMR>(static_cast<int>(mr), ap.data() + m0 * per_row, bp.data(), sad + m0 * s.nkb, sbp.data(),
-                    c + m0 * s.n, s, t0, nt);
+      strip<kMaxMR>(static_cast<int>(mr), apd + m0 * per_row, bpd, sad + m0 * s.nkb, sbp, c + m0 * s.n, s, t0, nt);
     }
   });
   return out;
 }
 
+// a: uint8 codes [M, K] (any strides), b: uint8 codes [N, K]; a_scale float32 [M, nkb], b_scale float32 [N, nkb]
+// (per row and K block, nkb = ceil(K / block)). Returns float32 [M, N] (contiguous). B is packed for this call.
+at::Tensor fp8_gemm(const at::Tensor& a, int64_t a_fmt, const at::Tensor& a_scale, const at::Tensor& b,
+                    int64_t b_fmt, const at::Tensor& b_scale, int64_t block) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1), "fp8_gemm: need a [M, K] and b [N, K], got ",
+              a.sizes(), " and ", b.sizes());
+  auto packed = fp8_pack(b, b_fmt, b_scale, block);
+  return fp8_gemm_packed(a, a_fmt, a_scale, std::get<0>(packed), std::get<1>(packed), b.size(0), block);
+}
+
 std::string fp8_gemm_path() { return kPath; }
+int64_t fp8_gemm_lanes() { return kLanes; }
 
 TORCH_LIBRARY(fp8core, m) {
   m.def("fp8_gemm(Tensor a, int a_fmt, Tensor a_scale, Tensor b, int b_fmt, Tensor b_scale, int block) -> Tensor");
+  m.def("fp8_pack(Tensor b, int b_fmt, Tensor b_scale, int block) -> (Tensor, Tensor)");
+  m.def("fp8_gemm_packed(Tensor a, int a_fmt, Tensor a_scale, Tensor b_values, Tensor b_scales, int n, int block) "
+        "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fp8core, CPU, m) { m.impl("fp8_gemm", &fp8_gemm); }
+TORCH_LIBRARY_IMPL(fp8core, CPU, m) {
+  m.impl("fp8_gemm", &fp8_gemm);
+  m.impl("fp8_pack", &fp8_pack);
+  m.impl("fp8_gemm_packed", &fp8_gemm_packed);
+}

@@ -208,8 +208,10 @@ std::vector<torch::Tensor> quantize_tiles(torch::Tensor x, int64_t gr, int64_t g
 }  // namespace
 
 std::string fp8_gemm_path();  // gemm.cpp: the GEMM path this build compiled
+int64_t fp8_gemm_lanes();  // gemm.cpp: output columns per packed tile
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("quantize_tiles", &quantize_tiles, "fused FP8 quantize (+ dequantize) over tiles of gr x gc elements");
   mod.def("fp8_gemm_path", &fp8_gemm_path, "the FP8 GEMM path of this build (torch.ops.fp8core.fp8_gemm)");
+  mod.def("fp8_gemm_lanes", &fp8_gemm_lanes, "output columns per packed weight tile of this build");
 }

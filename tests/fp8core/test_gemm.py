@@ -154,6 +154,20 @@ def test_fwd_and_bwd_agree_with_the_emulation(recipe, fmt):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+def test_a_packed_weight_gives_the_same_bits():
+    """The weight packed once (as the engine per refit and the trainer per update) and per call: the same output."""
+    gen = torch.Generator().manual_seed(6)
+    for ga, gb, k in (("group128", "block128", 300), ("rowwise", "rowwise", 77), ("tensorwise", "tensorwise", 256)):
+        qa, qb = quantize(torch.randn(11, k, generator=gen), ga), quantize(torch.randn(35, k, generator=gen), gb)
+        block = gemm.block_for(ga, gb, k)
+        packed = gemm.pack_weight(qb.data, "e4m3", gemm.row_scales(qb, block), block)
+        assert packed.nbytes() < 4.2 * qb.data.numel() + 64 * 4 * packed.scales.numel()
+        assert torch.equal(gemm.fp8_gemm_packed(qa.data, "e4m3", gemm.row_scales(qa, block), packed),
+                           gemm.fp8_gemm(qa, qb))
+    with pytest.raises(ValueError, match="K = 77"):
+        gemm.fp8_gemm_packed(qa.data, "e4m3", gemm.row_scales(qa, block), packed._replace(k=77))
+
+
 def test_mm_backend_cpu_is_the_op():
     gen = torch.Generator().manual_seed(4)
     qa, qb = quantize(torch.randn(9, 200, generator=gen), "group128"), quantize(torch.randn(30, 200), "block128")
@@ -166,6 +180,11 @@ def test_the_fake_kernel_gives_the_shape_on_the_meta_device():
     b = torch.empty(48, 256, dtype=torch.uint8, device="meta")
     y = torch.ops.fp8core.fp8_gemm(a, 0, torch.empty(5, 2, device="meta"), b, 0, torch.empty(48, 2, device="meta"), 128)
     assert y.device.type == "meta" and y.shape == (5, 48) and y.dtype == torch.float32
+    values, scales = torch.ops.fp8core.fp8_pack(b, 0, torch.empty(48, 2, device="meta"), 128)
+    real = gemm.pack_weight(torch.zeros(48, 256, dtype=torch.uint8), "e4m3", torch.ones(48, 2), 128)
+    assert (values.shape, values.dtype, scales.shape) == (real.values.shape, real.values.dtype, real.scales.shape)
+    y = torch.ops.fp8core.fp8_gemm_packed(a, 0, torch.empty(5, 2, device="meta"), values, scales, 48, 128)
+    assert y.device.type == "meta" and y.shape == (5, 48)
 
 
 _CAPPED = r"""

@@ -66,6 +66,7 @@ def test_engine_rows_in_any_batch_equal_the_trainers_batch(recipe, single_rank):
         layer.weight.data.copy_(torch.cat(weights))
         method.process_weights_after_loading(layer)
         assert layer.fp8core_backend == backend and (layer.fp8core_weight_dq is None) == (backend == "cpu")
+        assert (layer.fp8core_packed is None) == (backend != "cpu")
         engine = torch.cat([method.apply(layer, x[i:j]) for i, j in pieces])
         cfg = FP8LinearConfig(recipe=recipe, backend=backend)
         trainers = [FP8Linear(k, w.shape[0], bias=False, config=cfg) for w in weights]
