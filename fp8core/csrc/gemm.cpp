@@ -130,7 +130,6 @@ void micro(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, fl
 }
 
 constexpr int kMaxMR = 6;
-constexpr int kNV = 2;
 #elif defined(__AVX2__)
 constexpr const char* kPath = "fp32 (AVX2 FMA; no BF16 units)";
 constexpr int kLanes = 8;
@@ -139,10 +138,10 @@ using Elem = float;
 template <int MR, int NV>
 void micro(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, int64_t ldc, int64_t ncols,
            const Shape& s) {
+  // 16 ymm registers: the block sums P live in MR * NV of them; the scaled accumulation goes through an L1 buffer
+  // (the same fma per element as in registers)
   const int64_t bstride = s.kp * kLanes;
-  __m256 acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  alignas(32) float acc[MR][NV][kLanes] = {};
   for (int64_t kb = 0; kb < s.nkb; ++kb) {
     __m256 part[MR][NV];
     for (int r = 0; r < MR; ++r)
@@ -160,27 +159,18 @@ void micro(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, fl
       const __m256 sb = _mm256_loadu_ps(sbp + (v * s.nkb + kb) * kLanes);
       for (int r = 0; r < MR; ++r) {
         const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(sa[r * s.nkb + kb]), sb);
-        acc[r][v] = _mm256_fmadd_ps(part[r][v], scale, acc[r][v]);
+        _mm256_store_ps(acc[r][v], _mm256_fmadd_ps(part[r][v], scale, _mm256_load_ps(acc[r][v])));
       }
     }
   }
   for (int v = 0; v < NV; ++v) {
-    const int64_t left = ncols - v * kLanes;
+    const int64_t left = std::min<int64_t>(ncols - v * kLanes, kLanes);
     if (left <= 0) break;
-    for (int r = 0; r < MR; ++r) {
-      if (left >= kLanes) {
-        _mm256_storeu_ps(c + r * ldc + v * kLanes, acc[r][v]);
-      } else {
-        alignas(32) float tmp[kLanes];
-        _mm256_store_ps(tmp, acc[r][v]);
-        std::memcpy(c + r * ldc + v * kLanes, tmp, sizeof(float) * left);
-      }
-    }
+    for (int r = 0; r < MR; ++r) std::memcpy(c + r * ldc + v * kLanes, acc[r][v], sizeof(float) * left);
   }
 }
 
-constexpr int kMaxMR = 3;
-constexpr int kNV = 2;
+constexpr int kMaxMR = 6;
 #else
 #error "fp8core's CPU FP8 GEMM needs AVX2 (the FP32 path) or AVX-512 BF16"
 #endif
@@ -234,20 +224,31 @@ void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, V
   });
 }
 
+// Column tiles per micro-kernel call for an MR-row strip: more for short strips (decode), where the FMA / VDPBF16PS
+// latency of too few independent sums would bound the speed. Each output's instruction sequence is the same
+// whatever the width, so this choice does not change a bit.
+template <int MR>
+constexpr int nv_for() {
+#if defined(__AVX512BF16__)
+  return MR <= 1 ? 8 : MR <= 2 ? 6 : 2;
+#else
+  return MR <= 1 ? 6 : MR <= 2 ? 4 : 2;
+#endif
+}
+
 template <int MR>
 void rows(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, const Shape& s,
           int64_t t0, int64_t ntiles) {
-  // one MR-row strip against tiles [t0, t0 + ntiles) of kLanes columns, kNV tiles at a time
+  // one MR-row strip against tiles [t0, t0 + ntiles) of kLanes columns
+  constexpr int NV = nv_for<MR>();
   const int64_t bstride = (std::is_same<Elem, float>::value ? s.kp : s.kp / 2) * kLanes;
-  for (int64_t t = t0; t < t0 + ntiles; t += kNV) {
-    const int64_t ncols = std::min<int64_t>(kNV * kLanes, s.n - t * kLanes);
-    const int64_t nv = (ncols + kLanes - 1) / kLanes;
-    if (nv == kNV) {
-      micro<MR, kNV>(ap, bp + t * bstride, sa, sbp + t * s.nkb * kLanes, c + t * kLanes, s.n, ncols, s);
-    } else {
-      micro<MR, 1>(ap, bp + t * bstride, sa, sbp + t * s.nkb * kLanes, c + t * kLanes, s.n, ncols, s);
-    }
-  }
+  int64_t t = t0;
+  for (; t + NV <= t0 + ntiles; t += NV)
+    micro<MR, NV>(ap, bp + t * bstride, sa, sbp + t * s.nkb * kLanes, c + t * kLanes, s.n,
+                  std::min<int64_t>(NV * kLanes, s.n - t * kLanes), s);
+  for (; t < t0 + ntiles; ++t)
+    micro<MR, 1>(ap, bp + t * bstride, sa, sbp + t * s.nkb * kLanes, c + t * kLanes, s.n,
+                 std::min<int64_t>(kLanes, s.n - t * kLanes), s);
 }
 
 template <int MR>
@@ -334,7 +335,7 @@ at::Tensor fp8_gemm_packed(const at::Tensor& a, int64_t a_fmt, const at::Tensor&
   // work items: (strip of kMaxMR rows) x (group of column tiles); each output element is computed by one item with
   // the same instruction sequence whatever the split
   const int64_t strips = (s.m + kMaxMR - 1) / kMaxMR;
-  const int64_t tiles_per_item = std::max<int64_t>(kNV, 8);
+  const int64_t tiles_per_item = 24;  // a multiple of every nv_for width
   const int64_t groups = (ntiles + tiles_per_item - 1) / tiles_per_item;
   const Elem* apd = reinterpret_cast<const Elem*>(ap.data());
   const Elem* bpd = reinterpret_cast<const Elem*>(b_values.data_ptr());
