@@ -36,8 +36,8 @@ precision) of the FP32 additions, so they agree to a tolerance, not bit for bit:
   K is cut into 128-wide chunks (one chunk for rowwise), each chunk's FP8 product is computed with per-row scales of
   both operands and the chunk results are summed in FP32.
 
-``"auto"`` picks scaled_mm on CUDA devices with FP8 GEMMs (capability >= 8.9), the CPU op on a CPU where fp8core/csrc
-built, and the emulation elsewhere.
+``"auto"`` picks scaled_mm on CUDA devices with FP8 GEMMs (capability >= 8.9), the CPU op on a CPU with BF16 units
+where fp8core/csrc built, and the emulation elsewhere (see :func:`resolve_backend`).
 
 End-to-end FP8: the training forward calls :func:`fp8_linear_forward` with the weight it has just quantized, and
 the vLLM plugin calls the same function with the weight it holds (``quantize(w, "block128")``), so rollouts and
@@ -129,8 +129,11 @@ def weight_granularity(recipe: str) -> str:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto" -> "scaled_mm" on CUDA devices with FP8 tensor cores (capability >= 8.9), "cpu" on a CPU (or the meta
-    device) where the CPU FP8 GEMM is loaded, else "emulated". "cpu" elsewhere is an error."""
+    """"auto" -> "scaled_mm" on CUDA devices with FP8 tensor cores (capability >= 8.9), "cpu" on a CPU with BF16
+    units (AVX-512 BF16 / AMX; or the meta device) where the CPU FP8 GEMM is loaded, else "emulated". On CPUs
+    without BF16 units the op's FP32 path is row-invariant but slower than torch's FP32 GEMM (1.8-1.9x at the
+    bench.gemm shapes under the AVX2 cap), so auto keeps the emulation there; ``backend="cpu"`` asks for the op
+    anyway. "cpu" where the op does not run is an error."""
     _check_choice(backend, BACKENDS, "backend")
     on_cpu = device.type in ("cpu", "meta")
     if backend == "cpu" and not (on_cpu and gemm.available()):
@@ -140,7 +143,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return backend
     if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
         return "scaled_mm"
-    return "cpu" if on_cpu and gemm.available() else "emulated"
+    if on_cpu and gemm.available():
+        from fp8core.cpu import cpu_caps
+
+        if device.type == "meta" or cpu_caps().native_bf16:
+            return "cpu"
+    return "emulated"
 
 
 # ---------------------------------------------------------------------------------------------------- the GEMM

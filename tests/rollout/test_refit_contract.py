@@ -36,7 +36,8 @@ def _cfg(tmp, recipe="blockwise", pow2=True, first=1, last=0):
             f"{f8}.fp8_recipe={recipe}", f"{f8}.num_first_layers_in_bf16={first}",
             f"{f8}.num_last_layers_in_bf16={last}", f"{f8}.pow2_weight_scaling_factors={str(pow2).lower()}",
             f"{f8}.pow2_activation_scaling_factors={str(pow2).lower()}",
-            "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={tmp}"]
+            "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={tmp}",
+            f"{f8}.backend=cpu"]  # the CPU FP8 GEMM on every CPU kind (auto keeps the emulation without BF16 units)
     return load_config(ROOT / "configs" / "tiny_fp8_e2e.yaml", over)
 
 
