@@ -78,6 +78,30 @@ def test_engine_rows_in_any_batch_equal_the_trainers_batch(recipe, single_rank):
         assert torch.equal(engine, expected) == (backend == "cpu"), backend
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_an_fp8_layer_holds_codes_packed_codes_and_scales_only(recipe, single_rank):
+    """After load on the CPU op: 1 byte of codes + the packed codes (2 bytes per weight with BF16 units, 4 without)
+    + scales per weight; no FP32 weight of the layer's size (the emulation's dequantized copy is gone)."""
+    from fp8core.cpu import cpu_caps
+    from fp8core.gemm import PackedWeight
+
+    widths, k = (256, 128, 128), 384
+    method, layer = _layer(recipe, widths, k, pow2_w=False, pow2_a=False, backend="cpu")
+    layer.weight.data.copy_(torch.randn(sum(widths), k) * 0.05)
+    method.process_weights_after_loading(layer)
+    held = [*layer.parameters(), *layer.buffers()]
+    for value in vars(layer).values():
+        held += [value] if isinstance(value, torch.Tensor) else [value.values, value.scales] if isinstance(
+            value, PackedWeight) else []
+    unique = {t.data_ptr(): t for t in held if t.numel()}.values()
+    nbytes = sum(t.numel() * t.element_size() for t in unique)
+    weights = sum(widths) * k
+    packed = 2 if cpu_caps().native_bf16 else 4
+    assert nbytes <= (1 + packed + 0.1) * weights, nbytes / weights
+    packed_ptr = layer.fp8core_packed.values.data_ptr()  # FP32 values on CPUs without BF16 units: the packing
+    assert not any(t.dtype == torch.float32 and t.numel() >= weights and t.data_ptr() != packed_ptr for t in unique)
+
+
 def test_config_rejects_unknown_recipe_and_mismatched_block_size():
     from rollout.vllm_fp8 import Fp8CoreConfig, quantization_config_dict
 
