@@ -111,9 +111,11 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     import ray
 
     from cluster.runtime import init_ray, stop_workers
+    from process.signals import redeliver_swallowed_stop_signals
     from process.watchdog import start_watchdog
 
     start_watchdog()  # after this process ends (even by kill -9), whatever it started is ended too
+    redeliver_swallowed_stop_signals()  # a SIGTERM whose exception a finalizer swallowed is sent again
 
     run = _open_run(config_path, overrides)
     _assets_and_data(run)
@@ -148,7 +150,8 @@ def _open_run(config_path: str, overrides: list[str] | None) -> _Run:
     Ray token auth, config.resolved.yaml), check the evaluation-set paths and print the recipe and CPU lines."""
     from cluster.runtime import cpu_pins, ray_auth
     from data.eval_sets import check_eval_paths
-    from fp8core.cpu import cpu_caps, describe
+    from fp8core.cpu import cpu_caps
+    from fp8core.gemm import describe
     from process.env import apply_env
 
     t_start = time.perf_counter()

@@ -13,7 +13,9 @@ listener out (a deployment cancel then left the flow-run process running past 30
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
 
 
@@ -52,3 +54,38 @@ def _prefect_bridge_lock():
         return _prefect_sigterm_bridge_lock
     except ImportError:  # another Prefect version: no listener to coordinate with
         return contextlib.nullcontext()
+
+
+def _stop_signal_of(exc: BaseException | None) -> int | None:
+    """The signal a stop exception stands for: Prefect's TerminationSignal (its ``signal``), the driver's SystemExit
+    (code 128 + signal), KeyboardInterrupt (SIGINT); None for anything else."""
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    if isinstance(exc, SystemExit) and isinstance(exc.code, int) and exc.code - 128 in (signal.SIGTERM, signal.SIGINT):
+        return exc.code - 128
+    sig = getattr(exc, "signal", None)
+    return sig if type(exc).__name__ == "TerminationSignal" and isinstance(sig, int) else None
+
+
+_redelivering = False
+
+
+def redeliver_swallowed_stop_signals(delay_s: float = 0.05) -> None:
+    """A stop signal whose handler raised inside a finalizer or weakref callback (garbage collection ran Python code
+    when the signal arrived: measured with SQLAlchemy's event-registry callback in the driver) is swallowed there --
+    Python prints "Exception ignored in ..." and carries on, and the run would not stop. This hook (chained to the
+    one in place, which still prints) sends the same signal again ``delay_s`` later, from a thread, so the handler
+    runs again in ordinary code. Idempotent; for the driver process."""
+    global _redelivering
+    if _redelivering:
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        previous(unraisable)
+        sig = _stop_signal_of(unraisable.exc_value)
+        if sig is not None:
+            threading.Timer(delay_s, os.kill, (os.getpid(), sig)).start()
+
+    sys.unraisablehook = hook
+    _redelivering = True
