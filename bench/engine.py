@@ -12,6 +12,17 @@ from process.env import apply_env
 from rollout.engine import RolloutWorker
 
 
+def model_for(run_dir: Path, model_dir: str | None) -> Path:
+    """Set the run environment under ``run_dir`` (caches, offline switches) and return the model to load:
+    ``model_dir``, else the tiny model built under ``run_dir``."""
+    apply_env(run_dir)
+    if model_dir:
+        return Path(model_dir)
+    from embedded.tiny_model import build_tiny_model
+
+    return build_tiny_model(run_dir / "tiny")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Print engine start time, KV capacity, refit time and generation throughput per precision / KV dtype:
     ``.venv/bin/python -m bench.engine [--model-dir DIR] [--kv-cache-memory-bytes N]``."""
@@ -27,13 +38,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--refits", type=int, default=5)
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
-    apply_env(run_dir)
-    if args.model_dir:
-        model_dir = Path(args.model_dir)
-    else:
-        from embedded.tiny_model import build_tiny_model
-
-        model_dir = build_tiny_model(run_dir / "tiny")
+    model_dir = model_for(run_dir, args.model_dir)
     from safetensors.torch import load_file
 
     weights = {k: v.float() for k, v in load_file(str(next(model_dir.glob("*.safetensors")))).items()}

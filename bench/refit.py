@@ -53,18 +53,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
-    from process.env import apply_env
+    from bench.engine import model_for
 
-    apply_env(run_dir)
+    model_dir = model_for(run_dir, args.model_dir)
     from configs.schema import standalone_engine_config
     from rollout.engine import RolloutWorker
 
-    if args.model_dir:
-        model_dir = Path(args.model_dir)
-    else:
-        from embedded.tiny_model import build_tiny_model
-
-        model_dir = build_tiny_model(run_dir / "tiny")
     loads = payloads(model_dir, args.recipe)
     engine = RolloutWorker(model_dir, standalone_engine_config(precision="fp8", fp8_recipe=args.recipe,
                                                                kv_cache_memory_bytes=16 << 20, max_model_len=256),

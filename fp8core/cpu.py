@@ -307,11 +307,8 @@ cpu_caps.cache_clear = _caps.cache_clear  # type: ignore[attr-defined]
 
 
 def describe() -> str:
-    """One human line about this CPU, the cap and the FP8 GEMM path built for it (fp8core.gemm), logged at the start
-    of every run and printed by ``python -m fp8core.cpu``."""
-    from fp8core import gemm
-
-    return f"{cpu_caps().describe()}; FP8 GEMM {gemm.path()}"
+    """One human line about this CPU and the cap (``fp8core.gemm.describe`` adds the FP8 GEMM path: the run's line)."""
+    return cpu_caps().describe()
 
 
 def usable_cpus() -> int:

@@ -28,7 +28,7 @@ import torch
 from fp8core import kernels
 from fp8core.quant import GROUP, QuantizedTensor
 
-__all__ = ["PackedWeight", "available", "block_for", "fp8_gemm", "fp8_gemm_packed", "fp8_gemm_rows", "pack_weight",
+__all__ = ["PackedWeight", "available", "block_for", "describe", "fp8_gemm", "fp8_gemm_packed", "fp8_gemm_rows", "pack_weight",
            "path", "row_scales"]
 
 _FMT_INDEX = {"e4m3": 0, "e5m2": 1}
@@ -72,6 +72,14 @@ def path() -> str:
     """The GEMM path compiled for this CPU kind, or why there is none."""
     mod = kernels.load()
     return mod.fp8_gemm_path() if mod is not None else f"none ({kernels.describe()})"
+
+
+def describe() -> str:
+    """The run's CPU line: this CPU, the cap (fp8core.cpu) and the FP8 GEMM path built for it. Logged at the start
+    of every run; ``python -m fp8core`` prints it."""
+    from fp8core.cpu import describe as cpu_line
+
+    return f"{cpu_line()}; FP8 GEMM {path()}"
 
 
 def block_for(a_granularity: str, b_granularity: str, k: int) -> int:

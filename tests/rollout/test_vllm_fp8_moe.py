@@ -39,7 +39,8 @@ def pair(model_dir, tmp_path_factory):
         "policy.precision=float32", "policy.optimizer.lr=1e-3", "policy.train_global_batch_size=8",
         "policy.train_micro_batch_size=4", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
         f"{f8}.num_first_layers_in_bf16={FIRST}", f"{f8}.pow2_weight_scaling_factors=true",
-        "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={tmp}"])
+        "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={tmp}",
+        f"{f8}.backend=cpu"])  # the CPU FP8 GEMM on every CPU kind (auto keeps the emulation without BF16 units)
     policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
     engine = RolloutWorker(model_dir, cfg, run_dir=tmp / "rollout")
     rng = random.Random(0)
@@ -111,6 +112,25 @@ def test_expert_layer_and_router_outputs_bit_identical_for_the_same_inputs(pair)
             assert torch.equal(y_e, y_t), layer
         else:  # BF16-kept experts: engine BF16 GEMMs vs trainer FP32 masters (close, not equal)
             torch.testing.assert_close(y_e.float(), y_t.float(), rtol=0.05, atol=0.05)
+
+
+def test_expert_layer_rows_in_any_batch_equal_the_trainers_batch(pair):
+    """The engine's FP8 expert layer fed a batch in decode-like pieces (1, 2, 8 and 29 tokens: each expert's GEMM
+    sees other token counts) returns, in FP32, the trainer's expert layer on the whole batch bit for bit."""
+    policy, engine, _ = pair
+    x = torch.randn(40, policy.model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
+    pieces = [(0, 1), (1, 3), (3, 11), (11, 40)]
+
+    def engine_side(m):
+        blk, ex = m.model.layers[FIRST].mlp, _experts(m, FIRST)
+        w, ids = blk.experts.router.select_experts(hidden_states=x, router_logits=blk.gate(x)[0],
+                                                    topk_indices_dtype=None)
+        return w, ids, torch.cat([ex.quant_method.apply(ex, x[i:j], w[i:j], ids[i:j]) for i, j in pieces])
+
+    w, ids, y_engine = engine.llm.apply_model(engine_side)[0]
+    with torch.no_grad():
+        y_trainer = policy.model.model.layers[FIRST].mlp.experts(x, ids.long(), w)
+    assert y_engine.dtype == torch.float32 and torch.equal(y_engine, y_trainer)
 
 
 def test_fp8_moe_engine_tracks_the_fp8_trainer_and_kv_calibration_runs(pair):
