@@ -406,14 +406,11 @@ class _FP8LinearFunction(torch.autograd.Function):
         if backend == "cpu":  # the packed weight is cached with the codes (a fresh one per use without a cache)
             y = fp8_linear_forward_cpu(x, (WeightCache() if cache is None else cache).packed(weight, config), bias,
                                        recipe=config.recipe, pow2_activation=config.pow2_activation)
-            ctx.save_for_backward(x, weight)
-            ctx.config, ctx.cache, ctx.backend = config, cache, backend
-            ctx.bias_dtype = None if bias is None else bias.dtype
-            return y
-        w_q, w_dq = (WeightCache() if cache is None else cache).get(weight, config, dequantized=emulated)
-        y = fp8_linear_forward(x, w_q, bias, recipe=config.recipe, pow2_activation=config.pow2_activation,
-                               backend=backend, weight_dq=w_dq)
-        if cache is None:
+        else:
+            w_q, w_dq = (WeightCache() if cache is None else cache).get(weight, config, dequantized=emulated)
+            y = fp8_linear_forward(x, w_q, bias, recipe=config.recipe, pow2_activation=config.pow2_activation,
+                                   backend=backend, weight_dq=w_dq)
+        if cache is None or backend == "cpu":  # the cpu backward takes its packed dgrad weight from the cache
             ctx.save_for_backward(x, weight)
         elif emulated:
             ctx.save_for_backward(x, weight, w_dq)
@@ -427,9 +424,10 @@ class _FP8LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         cfg: FP8LinearConfig = ctx.config
         cache = ctx.cache
-        if ctx.backend == "cpu":
-            return _FP8LinearFunction._backward_cpu(ctx, dy)
-        if cache is None:  # quantize the (re-gathered) weight again: the forward's codes and scales
+        if ctx.backend == "cpu":  # without a cache: the re-gathered weight, quantized and packed again
+            x, weight = ctx.saved_tensors
+            cache = WeightCache() if cache is None else cache
+        elif cache is None:  # quantize the (re-gathered) weight again: the forward's codes and scales
             x, weight = ctx.saved_tensors
             cache = WeightCache()
             w_q, w_dq = cache.get(weight, cfg, dequantized=ctx.backend == "emulated")
@@ -454,39 +452,20 @@ class _FP8LinearFunction(torch.autograd.Function):
         else:
             if ctx.needs_input_grad[0]:
                 dy_q = quantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
-                if cfg.recipe == "rowwise":  # W re-quantized per input feature, along N
-                    w_t = quantize(weight.t(), "rowwise", fmt="e4m3", pow2=cfg.pow2_weight)
-                else:  # the forward's block128 / tensorwise weight, transposed (exact)
-                    w_t = QuantizedTensor(w_data, w_scale, WEIGHT_GRANULARITY[cfg.recipe], "e4m3").t()
-                dx = fp8_mm(dy_q, w_t, backend=ctx.backend).to(x.dtype).reshape(x.shape)
+                if ctx.backend == "cpu":  # the dgrad weight packed once per update (WeightCache.packed)
+                    w_p = cache.packed(weight, cfg, transposed=True)
+                    dx = gemm.fp8_gemm_packed(dy_q.data, cfg.grad_fmt, gemm.row_scales(dy_q, w_p.block), w_p)
+                else:
+                    if cfg.recipe == "rowwise":  # W re-quantized per input feature, along N
+                        w_t = quantize(weight.t(), "rowwise", fmt="e4m3", pow2=cfg.pow2_weight)
+                    else:  # the forward's block128 / tensorwise weight, transposed (exact)
+                        w_t = QuantizedTensor(w_data, w_scale, WEIGHT_GRANULARITY[cfg.recipe], "e4m3").t()
+                    dx = fp8_mm(dy_q, w_t, backend=ctx.backend)
+                dx = dx.to(x.dtype).reshape(x.shape)
             if ctx.needs_input_grad[1]:
                 dyt_q = quantize(dy2.t(), gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
                 xt_q = quantize(x.reshape(-1, k).t(), gran, fmt="e4m3", pow2=cfg.pow2_activation)
                 dw = fp8_mm(dyt_q, xt_q, backend=ctx.backend).to(weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None
-
-    @staticmethod
-    def _backward_cpu(ctx, dy):
-        """dgrad and wgrad on the CPU FP8 GEMM: dX = dY @ W with the dgrad weight packed once per update (cached), dW =
-        dY.T @ X with both operands quantized along tokens (packed per call: they are new every step)."""
-        cfg: FP8LinearConfig = ctx.config
-        x, weight = ctx.saved_tensors
-        cache = WeightCache() if ctx.cache is None else ctx.cache  # none: the re-gathered weight, quantized again
-        n, k = weight.shape
-        gran = ACT_GRANULARITY[cfg.recipe]
-        dy2 = dy.reshape(-1, n)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            w_t = cache.packed(weight, cfg, transposed=True)
-            dy_q = quantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
-            dx = gemm.fp8_gemm_packed(dy_q.data, cfg.grad_fmt, gemm.row_scales(dy_q, w_t.block), w_t)
-            dx = dx.to(x.dtype).reshape(x.shape)
-        if ctx.needs_input_grad[1]:
-            dyt_q = quantize(dy2.t(), gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
-            xt_q = quantize(x.reshape(-1, k).t(), gran, fmt="e4m3", pow2=cfg.pow2_activation)
-            dw = gemm.fp8_gemm(dyt_q, xt_q).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None
