@@ -281,10 +281,13 @@ def fp8_linear_forward(x: torch.Tensor, weight_q: QuantizedTensor, bias: torch.T
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def pack_weight(weight_q: QuantizedTensor, recipe: str) -> gemm.PackedWeight:
-    """``weight_q`` (quantized along its last dim) packed for the CPU FP8 GEMM against ``recipe``'s activations."""
-    block = gemm.block_for(ACT_GRANULARITY[recipe], weight_q.granularity, weight_q.data.shape[1])
-    return gemm.pack_weight(weight_q.data, weight_q.fmt, gemm.row_scales(weight_q, block), block)
+def pack_weight(weight_q: QuantizedTensor | list[QuantizedTensor], recipe: str) -> gemm.PackedWeight:
+    """``weight_q`` (quantized along its last dim) packed for the CPU FP8 GEMM against ``recipe``'s activations; a
+    list of partitions (each quantized on its own: q/k/v, gate/up) is packed side by side along N."""
+    parts = [weight_q] if isinstance(weight_q, QuantizedTensor) else weight_q
+    block = gemm.block_for(ACT_GRANULARITY[recipe], parts[0].granularity, parts[0].data.shape[1])
+    codes = parts[0].data if len(parts) == 1 else torch.cat([q.data for q in parts])
+    return gemm.pack_weight(codes, parts[0].fmt, torch.cat([gemm.row_scales(q, block) for q in parts]), block)
 
 
 def fp8_linear_forward_cpu(x: torch.Tensor, weight: gemm.PackedWeight, bias: torch.Tensor | None = None, *,

@@ -78,9 +78,7 @@ from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from configs.schema import FP8_RECIPE_KEYS, fp8_spec_from_keys, fp8_spec_keys
-from fp8core import gemm
 from fp8core.linear import (
-    ACT_GRANULARITY,
     fp8_linear_forward,
     fp8_linear_forward_cpu,
     fp8_linear_forward_emulated,
@@ -288,12 +286,7 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
         layer.fp8core_backend = backend = resolve_backend(self.config.spec.backend, layer.weight.device)
         parts = self.partitions(layer)
         layer.fp8core_weight_dq = torch.cat([dequantize(q) for q in parts], 0) if backend == "emulated" else None
-        layer.fp8core_packed = None
-        if backend == "cpu":
-            block = gemm.block_for(ACT_GRANULARITY[self.config.recipe], self.config.weight_granularity,
-                                   layer.weight.shape[1])
-            rows = torch.cat([gemm.row_scales(q, block) for q in parts], 0)
-            layer.fp8core_packed = gemm.pack_weight(layer.weight.data, "e4m3", rows, block)
+        layer.fp8core_packed = pack_weight(parts, self.config.recipe) if backend == "cpu" else None
 
     def partitions(self, layer: torch.nn.Module) -> list[QuantizedTensor]:
         """The layer's FP8 weight as one QuantizedTensor per logical partition (views, no copies)."""
