@@ -20,6 +20,7 @@ message starts with the dotted path of the offending key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -649,7 +650,14 @@ def _validate_optimizer_and_sampling(c: Config):
     """The optimizer (gradient clip, learning rate, schedule floor) and the rollout sampling (temperature, top-p)."""
     p = c.policy
     _check(p.max_grad_norm > 0, "policy.max_grad_norm", f"must be > 0, got {p.max_grad_norm}")
-    _check(p.optimizer.lr > 0, "policy.optimizer.lr", f"must be > 0, got {p.optimizer.lr}")
+    o = p.optimizer
+    _check(o.lr > 0, "policy.optimizer.lr", f"must be > 0, got {o.lr}")
+    _check(o.weight_decay >= 0, "policy.optimizer.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    for i, b in enumerate(o.betas):
+        _check(0 <= b < 1, f"policy.optimizer.betas[{i}]", f"must be in [0, 1) (AdamW's moment decay), got {b}")
+    _check(o.eps > 0, "policy.optimizer.eps", f"must be > 0 (AdamW divides by sqrt(v) + eps), got {o.eps}")
+    _check(p.scheduler.warmup_steps >= 0, "policy.scheduler.warmup_steps",
+           f"must be >= 0 (0 = no warmup), got {p.scheduler.warmup_steps}")
     _check(0.0 <= p.scheduler.min_lr_ratio <= 1.0, "policy.scheduler.min_lr_ratio", "must be in [0, 1]")
     _check(p.generation.temperature > 0, "policy.generation.temperature",
            "must be > 0 for RL rollouts (logprobs of greedy decoding are not a policy)")
@@ -933,13 +941,17 @@ def _convert(tp, value, path: str):
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             # YAML 1.1 reads '1e-4' (no dot) as a string: accept numeric strings of that form.
-            if isinstance(value, str):
-                try:
-                    return float(value)
-                except ValueError:
-                    pass
-            raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
-        return float(value)
+            try:
+                number = float(value) if isinstance(value, str) else None
+            except ValueError:
+                number = None
+            if number is None:
+                raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+            value = number
+        value = float(value)
+        if not math.isfinite(value):  # .nan / .inf parse as YAML floats; no setting means either
+            raise ConfigError(f"{path}: must be a finite number, got {value!r}")
+        return value
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
@@ -979,7 +991,14 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"defaults: circular recipe inheritance through {path}")
     if not path.exists():
         raise ConfigError(f"recipe file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    if not path.is_file():
+        raise ConfigError(f"{path}: is a directory, not a recipe file (a .yaml file, e.g. configs/tiny_fp8_e2e.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}{_yaml_where(e)}: not valid YAML: {_yaml_problem(e)}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read as a recipe: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping at top level")
     base = data.pop("defaults", None)
@@ -990,6 +1009,17 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     return deep_merge(_read_yaml(path.parent / base, (*seen, path)), data)
 
 
+def _yaml_where(e: yaml.YAMLError) -> str:
+    """':LINE:COLUMN' of a YAML error (1-based), or '' when PyYAML gives no position."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    return f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    parts = [getattr(e, "context", None), getattr(e, "problem", None)]
+    return ", ".join(p for p in parts if p) or str(e).splitlines()[0]
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'grpo.max_num_steps=2' → (['grpo', 'max_num_steps'], 2); the value is parsed as YAML ('null', 'true', '[1,2]')."""
     if "=" not in text:
@@ -998,7 +1028,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: empty key")
-    return key.split("."), yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: the override's value {raw!r} is not valid YAML: {_yaml_problem(e)}") from None
+    return key.split("."), value
 
 
 def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:

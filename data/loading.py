@@ -93,7 +93,20 @@ def _json_lines_error(local: str, path: str, keys: Mapping[str, str]) -> DataErr
                                      f"{sorted(row)}")
                 if row[col] is None:
                     return DataError(f"{path}:{n}: {role} key {col!r} is null")
+                if not _scalar(row[col]):
+                    return DataError(f"{path}:{n}: {role} key {col!r} is {_kind(row[col])}; expected text or a number")
     return None
+
+
+def _scalar(v) -> bool:
+    """Text or a number: what a question and an answer may be (a bool, list or object is a malformed row)."""
+    return isinstance(v, (str, int, float)) and not isinstance(v, bool)
+
+
+def _kind(v) -> str:
+    name = {list: "a list", dict: "an object", bool: "true/false"}.get(type(v), f"a {type(v).__name__}")
+    text = json.dumps(v) if isinstance(v, (list, dict, bool)) else repr(v)
+    return f"{name} ({text[:60]}{'...' if len(text) > 60 else ''})"
 
 
 def _check_columns(ds, local: str, path: str, fmt: str, keys: Mapping[str, str]) -> None:
@@ -102,6 +115,7 @@ def _check_columns(ds, local: str, path: str, fmt: str, keys: Mapping[str, str])
     for role, col in keys.items():
         nulls = ds.data.column(col).null_count if col in ds.column_names else None
         if nulls == 0:
+            _check_values(ds, local, path, fmt, keys, role, col)
             continue
         if fmt == "json" and (line_error := _json_lines_error(local, path, keys)) is not None:
             raise line_error
@@ -110,6 +124,23 @@ def _check_columns(ds, local: str, path: str, fmt: str, keys: Mapping[str, str])
             raise DataError(f"{path}: no {role} column {col!r} (set {key}); columns present: {ds.column_names}")
         first = next(i for i, v in enumerate(ds[col]) if v is None)
         raise DataError(f"{path}: row {first}: {role} column {col!r} is null ({nulls} null rows)")
+
+
+def _check_values(ds, local: str, path: str, fmt: str, keys: Mapping[str, str], role: str, col: str) -> None:
+    """Every value of column ``col`` is text or a number: a list or object (a JSON line's ``"answer": ["4"]``) is a
+    DataError naming the file and the line (JSON lines) or the row."""
+    feature = ds.features[col]
+    if getattr(feature, "dtype", None) in _SCALAR_DTYPES:
+        return
+    if fmt == "json" and (line_error := _json_lines_error(local, path, keys)) is not None:
+        raise line_error
+    first, value = next(((i, v) for i, v in enumerate(ds[col]) if not _scalar(v)), (None, None))
+    if first is not None:
+        raise DataError(f"{path}: row {first}: {role} column {col!r} is {_kind(value)}; expected text or a number")
+
+
+_SCALAR_DTYPES = {"string", "large_string", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                  "float16", "float32", "float64"}
 
 
 def load_split(path: str, *, question_key: str = "question", answer_key: str = "answer",

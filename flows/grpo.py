@@ -42,7 +42,7 @@ if __name__ == "__main__":  # before Prefect is imported
 from prefect import flow  # noqa: E402
 
 import process.quiet  # noqa: E402,F401  third-party start-up noise off before transformers / torchao / MLflow load
-from configs.schema import EMBEDDED, Config, load_config, to_yaml  # noqa: E402
+from configs.schema import EMBEDDED, Config, ConfigError, load_config, to_yaml  # noqa: E402
 
 if TYPE_CHECKING:
     from data.loading import PromptSource
@@ -197,8 +197,8 @@ def _assets_and_data(run: _Run) -> None:
         train_path = assets["train"] if train_path == EMBEDDED else train_path
         val_path = assets["validation"] if val_path == EMBEDDED else val_path
     if not Path(model_dir).is_dir():
-        raise FileNotFoundError(f"policy.model_name: {model_dir} is neither a local Hugging Face model directory nor "
-                                "a hub id ORG/NAME")
+        raise ConfigError(f"policy.model_name: {model_dir} is neither a local Hugging Face model directory nor a hub "
+                          "id ORG/NAME")
     run.model_dir = model_dir
     kv_mode, kv_reason = check_rollout_kv(cfg, Path(model_dir))  # ConfigError where vLLM would refuse the KV cache
     if cfg.policy.generation.vllm_cfg.kv_fp8:
@@ -595,7 +595,6 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    from configs.schema import ConfigError
     from data.loading import DataError
     from fp8core.cpu import apply_cpu_cap
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from configs.schema import Config, ConfigError
+from configs.schema import EMBEDDED, Config, ConfigError
 
 DOWNLOADS_KEY = "hub.allow_downloads"
 _REPO = r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)"
@@ -139,6 +139,9 @@ def resolve_config(cfg: Config) -> dict[str, Snapshot]:
     elif p.model_revision != "main":
         raise ConfigError(f"policy.model_revision: {p.model_revision!r} applies to a hub model id (ORG/NAME), but "
                           f"policy.model_name is {p.model_name!r}")
+    elif p.model_name != EMBEDDED and not Path(p.model_name).is_dir():
+        raise ConfigError(f"policy.model_name: {p.model_name} is neither a local Hugging Face model directory nor a "
+                          "hub id ORG/NAME")
     for key in ("train_path", "validation_path"):
         ref = hub_dataset(getattr(cfg.data, key))
         if ref is not None:

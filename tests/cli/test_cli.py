@@ -70,3 +70,61 @@ def test_train_rejects_a_bad_key_before_any_work(tmp_path):
     r = _run("train", "configs/tiny_fp8_e2e.yaml", "policy.optimizer.lr=-1", f"run_dir={tmp_path / 'run'}")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("config error: policy.optimizer.lr:")
     assert not (tmp_path / "run").exists()
+
+
+# Bad input through `fp8-grpo train`, as a new user would type it: each case stops with exit status 2 and one line on
+# stderr naming the file (and line) or the dotted key, before Prefect, Ray or any worker starts.
+BAD_RECIPE_CASES = {
+    "yaml syntax": ([], r"^config error: .*broken\.yaml:3:7: not valid YAML: "),
+    "directory as recipe": (None, r"^config error: .*: is a directory, not a recipe file"),
+    "betas": (["policy.optimizer.betas=[1.5,0.999]"], r"^config error: policy\.optimizer\.betas\[0\]: must be in \[0, 1\)"),
+    "weight decay nan": (["policy.optimizer.weight_decay=.nan"],
+                         r"^config error: policy\.optimizer\.weight_decay: must be a finite number, got nan$"),
+    "weight decay nan text": (["policy.optimizer.weight_decay=nan"],
+                              r"^config error: policy\.optimizer\.weight_decay: must be a finite number, got nan$"),
+    "eps zero": (["policy.optimizer.eps=0"], r"^config error: policy\.optimizer\.eps: must be > 0"),
+    "eps nan": (["policy.optimizer.eps=.nan"], r"^config error: policy\.optimizer\.eps: must be a finite number"),
+    "negative warmup": (["policy.scheduler.warmup_steps=-1"],
+                        r"^config error: policy\.scheduler\.warmup_steps: must be >= 0"),
+    "infinite lr": (["policy.optimizer.lr=.inf"], r"^config error: policy\.optimizer\.lr: must be a finite number"),
+    "override not yaml": (["grpo.seed=[1"], r"^config error: grpo\.seed: the override's value '\[1' is not valid YAML"),
+    "missing model dir": (["policy.model_name=/nonexistent/model"],
+                          r"^config error: policy\.model_name: /nonexistent/model is neither a local Hugging Face "
+                          r"model directory nor a hub id"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RECIPE_CASES))
+def test_train_rejects_bad_input_in_one_line_before_any_work(case, tmp_path):
+    import re
+
+    overrides, pattern = BAD_RECIPE_CASES[case]
+    if overrides is None:  # the recipe argument is a directory
+        recipe = tmp_path
+        overrides = []
+    elif case == "yaml syntax":
+        recipe = tmp_path / "broken.yaml"
+        recipe.write_text("grpo:\n  max_num_steps: [1\n  seed: 0\n")
+    else:
+        recipe = ROOT / "configs" / "tiny_fp8_e2e.yaml"
+    run_dir = tmp_path / "run"
+    r = _run("train", str(recipe), *overrides, f"run_dir={run_dir}")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and re.search(pattern, lines[0]), (r.returncode, r.stderr[-3000:])
+    assert r.stdout == "" and not run_dir.exists()  # nothing started: no run header, no run directory
+
+
+def test_train_rejects_a_data_row_whose_answer_is_not_text_naming_the_line(tmp_path):
+    from embedded.tiny_model import TinyModelSpec, build_tiny_model
+
+    model = build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny",
+                             TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": ["4"]}\n')
+    run_dir = tmp_path / "run"
+    r = _run("train", "configs/tiny_fp8_e2e.yaml", f"policy.model_name={model}", f"data.train_path={rows}",
+             f"data.validation_path={rows}", f"run_dir={run_dir}", "logger.mlflow_enabled=false")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and lines == [f"data error: {rows}:2: answer key 'answer' is a list ([\"4\"]); expected "
+                                           "text or a number"], r.stderr[-3000:]
+    assert not (run_dir / "checkpoints").exists() and "step 1/" not in r.stdout

@@ -53,6 +53,10 @@ def test_errors_name_file_and_column(tmp_path):
     ('{"problem": "What is 4 plus 1?"}', "no answer key 'expected_answer' (set data.answer_key); keys on this line: "
                                          "['problem']"),
     ('{"problem": "What is 4 plus 1?", "expected_answer": null}', "answer key 'expected_answer' is null"),
+    ('{"problem": "What is 4 plus 1?", "expected_answer": ["5"]}',
+     "answer key 'expected_answer' is a list ([\"5\"]); expected text or a number"),
+    ('{"problem": {"text": "What is 4 plus 1?"}, "expected_answer": "5"}',
+     "question key 'problem' is an object ({\"text\": \"What is 4 plus 1?\"}); expected text or a number"),
 ])
 def test_a_bad_jsonl_line_is_named_by_file_and_line_number(tmp_path, line, needle):
     """One bad line among good ones (a blank line before it counts): the error is ``<file>:<line>: <what>``, for
@@ -125,3 +129,22 @@ def test_s3_jsonl_and_parquet(tmp_path, moto_s3):
     with pytest.raises(DataError, match=r"s3://data-bucket/math/nope\.parquet: dataset file not found"):
         load_split("s3://data-bucket/math/nope.parquet", **kw)
     assert "AWS_ENDPOINT_URL_S3" in os.environ
+
+
+def test_answers_that_are_all_lists_are_named_by_line_and_parquet_rows_by_row(tmp_path):
+    """A file whose every answer is a list reads as a list column (no null, no parse error): still refused, naming
+    the first line; in a parquet file, the first row."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"question": r["problem"], "answer": [r["expected_answer"]]}) + "\n"
+                            for r in ROWS))
+    with pytest.raises(DataError, match=r"train\.jsonl:1: answer key 'answer' is a list \(\[\"[^\"]+\"\]\); "
+                                         r"expected text or a number$"):
+        load_split(str(path))
+    import datasets
+
+    pq = tmp_path / "train.parquet"
+    datasets.Dataset.from_dict({"question": ["a", "b"], "answer": ["1", "2"], "x": [1, 2]}).to_parquet(str(pq))
+    assert len(load_split(str(pq))) == 2
+    datasets.Dataset.from_dict({"question": ["a", "b"], "answer": [["1"], ["2"]]}).to_parquet(str(pq))
+    with pytest.raises(DataError, match=r"train\.parquet: row 0: answer column 'answer' is a list \(\[\"1\"\]\)"):
+        load_split(str(pq))
