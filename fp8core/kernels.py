@@ -40,7 +40,7 @@ _log = logging.getLogger("fp8core.kernels")
 _lock = threading.Lock()
 _state: dict = {}
 
-__all__ = ["ENV", "MODES", "build_dir", "build_root", "describe", "load", "quantize_tiles"]
+__all__ = ["ENV", "MODES", "build_dir", "build_root", "describe", "load", "no_kernel_reason", "quantize_tiles"]
 
 
 def _mode() -> str:
@@ -64,6 +64,21 @@ def _isa_flags() -> tuple[str, list[str]]:
     return kind, flags
 
 
+def no_kernel_reason() -> str | None:
+    """Why this machine has no kernel to build (not x86-64 Linux, a CPU kind below AVX2, or ``FP8GRPO_QDQ_KERNEL=
+    torch``), or None where fp8core/csrc should build: there, :func:`load` returning None is a failed build
+    (``python -m fp8core`` exits 1 and the suite fails), never a reason to skip."""
+    if _mode() == "torch":
+        return f"{ENV}=torch"
+    if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
+        return f"the kernel is built for x86-64 Linux, this is {platform.system()} {platform.machine()}"
+    from fp8core.cpu import cpu_caps
+
+    if cpu_caps().kind == "other":
+        return "the CPU kind is below AVX2 (kind other): the kernel's lowest build needs AVX2 and FMA"
+    return None
+
+
 def load():
     """The compiled module, or None when the torch path is to be used (mode ``torch``, or ``auto`` where the build
     failed). Thread-safe; builds at most once per process."""
@@ -74,9 +89,8 @@ def load():
         module, reason = None, "FP8GRPO_QDQ_KERNEL=torch"
         if mode != "torch":
             try:
-                if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
-                    raise RuntimeError(f"the kernel is built for x86-64 Linux, this is {platform.system()} "
-                                       f"{platform.machine()}")
+                if (why := no_kernel_reason()) is not None:
+                    raise RuntimeError(why)
                 module, reason = _build()
             except Exception as e:  # noqa: BLE001 - any build/load failure falls back (auto) or is raised (cpp)
                 if mode == "cpp":

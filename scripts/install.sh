@@ -31,3 +31,6 @@ import torch, vllm, transformers, prefect, ray, mlflow  # noqa: F401
 print(f"install ok: torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}, "
       f"prefect {prefect.__version__}, ray {ray.__version__}, mlflow {mlflow.__version__}")
 PY
+# Build the C++ kernels (fp8core/csrc) for this CPU kind now and print the CPU line with the FP8 GEMM path: a build
+# that fails where it should succeed stops the install (exit 1, the compiler's error on stderr).
+"$VENV/bin/python" -m fp8core

@@ -14,7 +14,16 @@ import torch
 from fp8core import kernels, quant
 from fp8core.quant import GRANULARITIES, quantize, quantize_dequantize, quantize_dequantize_columns, quantize_reference
 
-pytestmark = pytest.mark.skipif(kernels.load() is None, reason=f"kernel not built here: {kernels.describe()}")
+# Skipped only where this machine has no kernel to build; where it should build, a failed build fails every test
+# here (the fixture below), it is never a skip.
+pytestmark = pytest.mark.skipif(kernels.no_kernel_reason() is not None,
+                                reason=f"no kernel for this machine: {kernels.no_kernel_reason()}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernel_built():
+    if kernels.load() is None:
+        pytest.fail(f"fp8core/csrc should build on this machine and did not: {kernels.describe()}", pytrace=False)
 
 
 @contextmanager
@@ -147,8 +156,6 @@ def test_stale_build_lock_of_a_killed_builder_is_removed():
     """torch's cpp_extension holds a ``lock`` file in the build directory while it loads (even with nothing to
     rebuild); a process SIGKILLed then leaves it behind, and torch's FileBaton made every later process wait for
     it forever. Our flock around the load knows no builder is alive and removes it."""
-    if kernels.load() is None:
-        pytest.skip(f"the fused kernel is not in use here: {kernels.describe()}")
     stale = kernels.build_dir() / "lock"
     stale.write_text("")
     try:
@@ -157,3 +164,18 @@ def test_stale_build_lock_of_a_killed_builder_is_removed():
         assert not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_a_failed_build_stops_python_m_fp8core(tmp_path):
+    """Where the kernels should build, a failed build (here: a compiler that fails, in an empty build directory) is
+    exit status 1 with the reason, so the install and CI stop; FP8GRPO_QDQ_KERNEL=torch, the one opt-out, is 0."""
+    env = {"FP8GRPO_KERNEL_DIR": str(tmp_path / "kernels"), "CXX": "false"}
+    r = subprocess.run([sys.executable, "-m", "fp8core"], env={**os.environ, **env}, capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
+    assert r.stderr.strip().splitlines()[-1].startswith("fp8core: the C++ kernels (fp8core/csrc) should build on this "
+                                                        "machine and did not: torch ops (build failed ("), r.stderr
+    r = subprocess.run([sys.executable, "-m", "fp8core"], env={**os.environ, **env, kernels.ENV: "torch"},
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert r.returncode == 0 and "FP8 GEMM none" in r.stdout, (r.stdout, r.stderr[-2000:])
