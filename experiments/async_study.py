@@ -27,12 +27,14 @@ from prefect import flow  # noqa: E402
 import process.quiet  # noqa: E402,F401
 from configs.schema import load_config  # noqa: E402
 from experiments.grid import (  # noqa: E402
+    VS_HEADER,
     Arm,
     Grid,
     accuracy_curve,
     accuracy_vs,
     collect,
     fmt_ci,
+    fmt_vs,
     log_report,
     metric_summary,
     run_grid,
@@ -56,7 +58,7 @@ def table(g: Grid, uri: str, *, n_boot: int) -> tuple[str, list[dict]]:
     arms, missing = collect(g, uri, STEP_KEYS)
     by = {a.arm.name: a for a in arms}
     rows = []
-    lines = ["| arm | seeds | val acc step 0 | val acc last step | vs sync (paired) | trajectory age | IS weight "
+    lines = ["| arm | seeds | val acc step 0 | val acc last step | vs sync, " + VS_HEADER + " | trajectory age | IS weight "
              "mean | mismatch | step (s) | step interval (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for a in arms:
         curve = accuracy_curve(a, n_boot=n_boot)
@@ -67,7 +69,7 @@ def table(g: Grid, uri: str, *, n_boot: int) -> tuple[str, list[dict]]:
         rows.append({"arm": a.arm.name, "seeds": a.seeds, "start": first, "end": last, "vs_sync": vs,
                      **{k: v for k, v in stats.items()}, "step_interval_s": interval})
         lines.append(f"| {a.arm.name} | {','.join(map(str, a.seeds))} | {fmt_ci(first)} | {fmt_ci(last)} | "
-                     f"{fmt_ci(vs, scale=100, digits=1, signed=True) + ' pts' if vs else '-'} | "
+                     f"{fmt_vs(vs) if vs else '-'} | "
                      f"{fmt_ci(stats['async/trajectory_age_mean'], digits=2)} | "
                      f"{fmt_ci(stats['is/weight_mean'], digits=4)} | "
                      f"{fmt_ci(stats['mismatch/token_mult_prob_error'], digits=4)} | "

@@ -398,7 +398,28 @@ def accuracy_vs(ref: ArmRuns, a: ArmRuns, *, n_boot: int = 2000) -> dict | None:
         _, (xr, ya) = aligned([r_, a_])
         x.append(xr)
         y.append(ya)
-    return {**paired_diff(x, y, n_boot=n_boot), "seeds": seeds}
+    per_seed = [mean(ya) - mean(xr) for xr, ya in zip(x, y, strict=True)]
+    return {**paired_diff(x, y, n_boot=n_boot), "seeds": seeds, "per_seed": per_seed,
+            "over_seeds": seed_t_interval(per_seed)}
+
+
+def fmt_vs(e: dict | None, *, scale: float = 100.0, digits: int = 1) -> str:
+    """A comparison of arms as the tables state it: the difference with its prompt-bootstrap interval, the per-seed
+    differences and the Student-t interval over seeds of those paired differences. Bold and a difference claimed only
+    when the interval over seeds excludes 0; otherwise "no difference shown" (one seed: no interval over seeds)."""
+    if e is None:
+        return "n/a"
+    f = f"{{:+.{digits}f}}"
+    seeds = " / ".join(f.format(scale * d) for d in e.get("per_seed", []))
+    o = e.get("over_seeds") or {"lo": math.nan, "n": 0}
+    if o["n"] < 2 or math.isnan(o["lo"]):
+        return f"{fmt_ci(e, scale=scale, digits=digits, signed=True)}; per seed {seeds}; one seed, no interval over seeds"
+    text = (f"{fmt_ci(e, scale=scale, digits=digits, signed=True)}; per seed {seeds}; over seeds "
+            f"[{f.format(scale * o['lo'])}, {f.format(scale * o['hi'])}]")
+    return f"**{text}**" if o["lo"] > 0 or o["hi"] < 0 else f"{text}, no difference shown"
+
+
+VS_HEADER = "points: prompt bootstrap [95% CI]; per seed; over seeds [95% t CI]"
 
 
 def metric_summary(a: ArmRuns, key: str, *, reduce: Callable[[Sequence[float]], float] = mean) -> dict:

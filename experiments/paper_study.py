@@ -54,6 +54,7 @@ from prefect import flow  # noqa: E402
 
 import process.quiet  # noqa: E402,F401  third-party start-up noise off (process/quiet.py)
 from experiments.grid import (  # noqa: E402
+    VS_HEADER,
     Arm,
     ArmRuns,
     Grid,
@@ -62,6 +63,7 @@ from experiments.grid import (  # noqa: E402
     as_points,
     collect,
     fmt_ci,
+    fmt_vs,
     log_report,
     mean,
     metric_curve,
@@ -229,15 +231,14 @@ def rows(runs: list[ArmRuns], *, n_boot: int = 2000) -> list[dict]:
 
 def table(rs: list[dict], ablation: dict[int, str], missing: list[str], *, n_boot: int) -> str:
     pct = lambda e: fmt_ci(e, scale=100, digits=2) + "%"  # noqa: E731
-    lines = ["| arm | seeds | val accuracy, last validation [95% CI] | vs BF16, points [95% CI] | clip/lower_neg_adv_frac "
+    lines = ["| arm | seeds | val accuracy, last validation [95% CI] | vs BF16, " + VS_HEADER + " | clip/lower_neg_adv_frac "
              "[95% CI] | clip/upper_pos_adv_frac | entropy, first -> last step | ratio-error amplification [95% CI] "
              "| clip bounds at the end | step time |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     by_name = {r["arm"]: r for r in rs}
     main = [r for r in rs if r["arm"] not in ablation_only(ablation)]
     for r in main:
-        vs = "(reference)" if r["arm"] == "bf16" else ("n/a" if r["vs_bf16"] is None else
-                                                       fmt_ci(r["vs_bf16"], scale=100, digits=1, signed=True))
+        vs = "(reference)" if r["arm"] == "bf16" else fmt_vs(r["vs_bf16"])
         amp = "-" if r["ratio_error_amplification"] is None else fmt_ci(r["ratio_error_amplification"], digits=2)
         lines.append(
             f"| {r['label']} (`{r['arm']}`) | {', '.join(map(str, r['seeds']))} | {fmt_ci(r['acc_last'])} (step "
@@ -280,13 +281,13 @@ def table(rs: list[dict], ablation: dict[int, str], missing: list[str], *, n_boo
                   "updated policy on calibration steps):", "",
                   "| K | arm | seeds | calibrations per run | shadow pass per calibration | share of step time "
                   "| share of run wall time | ratio-error amplification | clip/lower_neg_adv_frac | val accuracy, last "
-                  "| vs BF16, points |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| vs BF16, " + VS_HEADER + " |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for k, name in ablation.items():
             r = by_name.get(name)
             if r is None:
                 continue
             sh = r["shadow"]
-            vs = "n/a" if r["vs_bf16"] is None else fmt_ci(r["vs_bf16"], scale=100, digits=1, signed=True)
+            vs = fmt_vs(r["vs_bf16"])
             lines.append(
                 f"| {k} | `{name}` | {', '.join(map(str, r['seeds']))} | {sh['calibrations']['value']:.1f} | "
                 f"{fmt_ci(sh['s_per_calibration'], digits=2)} s | {fmt_ci(sh['share_of_step_time'], scale=100, digits=1)}% "

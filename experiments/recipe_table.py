@@ -42,6 +42,7 @@ from prefect import flow  # noqa: E402
 
 import process.quiet  # noqa: E402,F401  third-party start-up noise off (process/quiet.py)
 from experiments.grid import (  # noqa: E402
+    VS_HEADER,
     Arm,
     ArmRuns,
     Grid,
@@ -50,6 +51,7 @@ from experiments.grid import (  # noqa: E402
     as_points,
     collect,
     fmt_ci,
+    fmt_vs,
     log_report,
     metric_curve,
     metric_summary,
@@ -114,13 +116,12 @@ def rows(runs: list[ArmRuns], *, n_boot: int = 2000) -> list[dict]:
 
 def table(rs: list[dict], missing: list[str], *, n_boot: int) -> str:
     lines = ["| arm | seeds | val accuracy, last validation [95% CI] | vs " + (rs[0]["label"] if rs else "ref")
-             + ", points [95% CI] | val accuracy at each validation (step: mean of seeds) | token_mult_prob_error "
+             + ", " + VS_HEADER + " | val accuracy at each validation (step: mean of seeds) | token_mult_prob_error "
              "[95% CI] | step time [95% CI] (rollout / train) | run wall time |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rs:
         vs = "(reference)" if r["vs_ref"] is None else (
-            f"**{fmt_ci(r['vs_ref'], scale=100, digits=1, signed=True)}** (seeds "
-            f"{', '.join(map(str, r['vs_ref']['seeds']))})")
+            f"{fmt_vs(r['vs_ref'])} (seeds {', '.join(map(str, r['vs_ref']['seeds']))})")
         curve = " / ".join(f"{st}: {e['value']:.3f}" for st, e in r["curve"].items())
         lines.append(
             f"| {r['label']} (`{r['arm']}`) | {', '.join(map(str, r['seeds']))} | "

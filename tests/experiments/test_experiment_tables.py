@@ -121,7 +121,12 @@ def test_recipe_table_from_finished_runs_resumes_parent(tmp_path):
     assert f["token_mult_prob_error"]["value"] == pytest.approx(1.013)
     assert f["step_s"]["value"] == pytest.approx(10.0) and f["step_s"]["lo"] < 10.0 < f["step_s"]["hi"]
     t = r1["table"]
-    assert "| end-to-end FP8 (`fp8-e2e`) | 0, 1 | 0.500 [" in t and "**-12.5 [" in t and "| 0: 0.000 / 2: 0.625 |" in t
+    assert "| end-to-end FP8 (`fp8-e2e`) | 0, 1 | 0.500 [" in t and "| 0: 0.000 / 2: 0.625 |" in t
+    # per seed -25.0 and +0.0 points: over two seeds the t interval is -12.5 +- 12.71 * 17.68 / sqrt(2)
+    assert f["vs_ref"]["per_seed"] == pytest.approx([-0.25, 0.0])
+    assert f["vs_ref"]["over_seeds"]["lo"] == pytest.approx(-0.125 - 12.7062 * 0.1767767 / 2 ** 0.5, abs=1e-4)
+    assert "; per seed -25.0 / +0.0; over seeds [-171.3, +146.3], no difference shown (seeds 0, 1)" in t
+    assert "**" not in t.split("\n")[3]
     assert "Not finished (not in the table): fp8-e2e-kv seed 0, fp8-e2e-kv seed 1." in t
     assert (tmp_path / "rt" / "recipe_table.md").read_text() == t
     assert (tmp_path / "rt" / "plots" / "recipe_table.png").stat().st_size > 10_000
@@ -245,3 +250,18 @@ def test_paper_study_rollout_old_and_fp8_kv_arms(tmp_path):
     assert plain["fp8-blockwise"].policy.generation.vllm_cfg.kv_cache_dtype == "auto"
     with pytest.raises(ValueError, match="--old-logprobs"):
         make_arms(("blockwise",), 2, (), old_logprobs="engine")
+
+
+def test_a_difference_is_claimed_only_when_the_interval_over_seeds_excludes_zero():
+    from experiments.grid import fmt_vs, seed_t_interval
+
+    def vs(per_seed):
+        m = sum(per_seed) / len(per_seed)
+        return {"value": m, "lo": m - 0.01, "hi": m + 0.01, "per_seed": per_seed, "over_seeds": seed_t_interval(per_seed)}
+
+    # the paper-study case: a tight prompt bootstrap, seeds that disagree
+    text = fmt_vs(vs([-0.214, -0.016, 0.008]))
+    assert text == "-7.4 [-8.4, -6.4]; per seed -21.4 / -1.6 / +0.8; over seeds [-37.7, +22.9], no difference shown"
+    text = fmt_vs(vs([-0.038, -0.026, -0.018]))
+    assert text.startswith("**-2.7 [") and text.endswith("over seeds [-5.2, -0.2]**")
+    assert fmt_vs(vs([0.05])).endswith("; per seed +5.0; one seed, no interval over seeds") and fmt_vs(None) == "n/a"
