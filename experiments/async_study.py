@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         note = ("Asynchronous GRPO against synchronous on the same recipe, seeds and validation prompts: accuracy "
                 "(bootstrap CI over prompts, seeds as strata), the paired difference at the last step, and per-step "
                 "means with t intervals over the seeds.")
-        print(f"results: {shown(write_result('async-accuracy', 'Asynchronous GRPO: accuracy', out['table'], origin, note=note, path=doc))}")
+        print(f"results: {shown(write_result('async-accuracy', 'Asynchronous GRPO: accuracy', out['table'], origin, note=note, details=out.get('provenance', []), path=doc))}")
     return 0
 
 

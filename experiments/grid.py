@@ -163,8 +163,10 @@ def run_grid(grid: Grid, *, experiment: str, tracking_uri: str | None = None, tr
     the parent ends FINISHED, or FAILED when a run or the report raised."""
     from flows.grpo import grpo
     from tasks.tracking import client
+    from tools.results import invocation
 
     grid.check_configs()
+    trained_by = invocation()  # this invocation's commit, date, CPU and command, kept with each run it trains
     root = grid.root.resolve()
     root.mkdir(parents=True, exist_ok=True)
     uri = resolve_tracking_uri(root, tracking_uri)
@@ -193,12 +195,33 @@ def run_grid(grid: Grid, *, experiment: str, tracking_uri: str | None = None, tr
             c.set_tag(summary["mlflow_run_id"], f"{grid.kind}.seed", str(seed))
             c.set_tag(summary["mlflow_run_id"], f"{grid.kind}.arm", arm.name)
             (run_dir / grid.marker_name).write_text(json.dumps({**grid.marker(arm, seed),
-                                                                "mlflow_run_id": summary["mlflow_run_id"]}))
+                                                                "mlflow_run_id": summary["mlflow_run_id"],
+                                                                "trained_by": trained_by}))
         out = report(grid, uri, parent) if report else {}
         status = "FINISHED"
     finally:
         client(uri).set_terminated(parent, status=status)
-    return {"parent_run_id": parent, "out_dir": str(root), "done": sorted(grid.done()), **out}
+    return {"parent_run_id": parent, "out_dir": str(root), "done": sorted(grid.done()),
+            "provenance": provenance(grid), **out}
+
+
+def provenance(grid: Grid) -> list[str]:
+    """One ``- ...`` line per invocation that trained the grid's finished runs (commit, date, CPU and command, from
+    each run's marker), naming its runs: a results file written by a resumed grid states where every run came from,
+    not only its last invocation. Runs trained before markers carried this say so."""
+    groups: dict[str, list[str]] = {}
+    for arm, seed in grid.cells():
+        if not grid.finished(arm, seed):
+            continue
+        tb = json.loads((grid.run_dir(arm, seed) / grid.marker_name).read_text()).get("trained_by")
+        if tb:
+            dirty = f" (uncommitted changes in {', '.join(tb['dirty_files'])})" if tb.get("dirty_files") else ""
+            key = (f"- runs trained at commit `{tb['commit']}`{dirty}, {tb['date']}, CPU {tb['cpu_model']} (kind "
+                   f"`{tb['cpu_kind']}`), by `{tb['command']}`")
+        else:
+            key = "- runs trained before grid runs recorded their origin (commit, date and CPU not recorded)"
+        groups.setdefault(key, []).append(f"{arm.name} seed {seed}")
+    return [f"{key}: {', '.join(runs)}" for key, runs in groups.items()]
 
 
 

@@ -179,6 +179,7 @@ def write_results_doc(result: dict, origin: dict, path: str | Path | None = None
     tools.results.stamp taken when the command started)."""
     details = [f"- experiment directory: `{shown(result['out_dir'])}`; MLflow parent run "
                f"`{result['parent_run_id']}`"]
+    details += result.get("provenance", [])  # every invocation behind the runs (a resumed grid)
     return write_result("learning", "Learning experiment: results", result["table"], origin, note=NOTE,
                         details=details, path=path)
 

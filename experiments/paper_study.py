@@ -357,6 +357,7 @@ def write_results_doc(result: dict, origin: dict, path: str | Path | None = None
     plots = [Path(p) for p in result.get("plots", [])]
     details = [f"- experiment directory: `{shown(result['out_dir'])}`; MLflow parent run "
                f"`{result['parent_run_id']}`"]
+    details += result.get("provenance", [])  # every invocation behind the runs (a resumed grid)
     body = result["table"] + "".join(f"\n![{FIGURES.get(p.name, p.stem)}](../img/{p.name})\n" for p in plots)
     return write_result("paper_study", "The paper's study: results", body, origin, note=NOTE, details=details,
                         path=path, images=plots)

@@ -179,6 +179,7 @@ def write_results_doc(result: dict, origin: dict, path: str | Path | None = None
     plots = [Path(p) for p in result.get("plots", [])]
     details = [f"- experiment directory: `{shown(result['out_dir'])}`; MLflow parent run "
                f"`{result['parent_run_id']}`"]
+    details += result.get("provenance", [])  # every invocation behind the runs (a resumed grid)
     body = result["table"] + ("\n" + FIGURE if plots else "")
     return write_result("recipe_table", "Recipe table: results", body, origin, note=NOTE, details=details,
                         path=path, images=plots)

@@ -64,6 +64,24 @@ def stamp(module: str, argv: Sequence[str], *, repo: Path = ROOT) -> dict:
     the UTC date, this process's CPU model and kind (fp8core.cpu.cpu_caps: after FP8GRPO_CPU_CAP, so call it after
     ``apply_cpu_cap``), and the command line ``<python> -m <module> <argv>`` (the project's .venv/bin/python as
     such, not its resolved target)."""
+    exe = _exe()
+    return {**_origin(repo), "writer": shlex.join([exe, "-m", module]), "command": shlex.join([exe, "-m", module, *argv])}
+
+
+def invocation(*, repo: Path = ROOT) -> dict:
+    """:func:`stamp` of this process as it was started (``sys.orig_argv``: ``.venv/bin/python -m experiments.x
+    ...`` or the ``fp8-grpo`` script's line), for code that does not know its command's module: a grid records it
+    with every run it trains, so a results file written by a resumed grid names each invocation behind its runs."""
+    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    return {**_origin(repo), "command": shlex.join([_exe(), *argv[1:]])}
+
+
+def _exe() -> str:
+    exe = Path(sys.executable)
+    return str(exe.relative_to(ROOT) if exe.is_relative_to(ROOT) else exe)
+
+
+def _origin(repo: Path) -> dict:
     from fp8core.cpu import cpu_caps
 
     try:
@@ -72,13 +90,9 @@ def stamp(module: str, argv: Sequence[str], *, repo: Path = ROOT) -> dict:
     except (OSError, subprocess.CalledProcessError):
         commit, changed = "unknown", []
     caps = cpu_caps()
-    exe = Path(sys.executable)
-    exe = exe.relative_to(ROOT) if exe.is_relative_to(ROOT) else exe
     return {"commit": commit + ("+dirty" if changed else ""), "dirty_files": changed,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "cpu_kind": caps.kind, "cpu_model": caps.model,
-            "writer": shlex.join([str(exe), "-m", module]),
-            "command": shlex.join([str(exe), "-m", module, *argv])}
+            "cpu_kind": caps.kind, "cpu_model": caps.model}
 
 
 def format_result(title: str, body_markdown: str, stamp: dict, *, note: str = "",

@@ -10,7 +10,7 @@ from experiments.grid import Arm, Grid, seed_mean, seed_t_interval
 
 
 def _fake_run(grid: Grid, arm: Arm, seed: int, uri: str, val: dict[int, list[int]], metrics: dict[str, dict],
-              wall_s: float = 100.0):
+              wall_s: float = 100.0, trained_by: dict | None = None):
     """A finished run of ``arm`` x ``seed``: MLflow metrics, per-prompt validation files, summary.json, marker."""
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
@@ -28,7 +28,8 @@ def _fake_run(grid: Grid, arm: Arm, seed: int, uri: str, val: dict[int, list[int
         files[str(step)] = str(f)
     (d / "summary.json").write_text(json.dumps({"val_accuracy": {str(s): sum(v) / len(v) for s, v in val.items()},
                                                 "val_files": {"main": files}, "wall_s": wall_s}))
-    (d / grid.marker_name).write_text(json.dumps({**grid.marker(arm, seed), "mlflow_run_id": run_id}))
+    marker = {**grid.marker(arm, seed), "mlflow_run_id": run_id, **({"trained_by": trained_by} if trained_by else {})}
+    (d / grid.marker_name).write_text(json.dumps(marker))
     return run_id
 
 
@@ -265,3 +266,30 @@ def test_a_difference_is_claimed_only_when_the_interval_over_seeds_excludes_zero
     text = fmt_vs(vs([-0.038, -0.026, -0.018]))
     assert text.startswith("**-2.7 [") and text.endswith("over seeds [-5.2, -0.2]**")
     assert fmt_vs(vs([0.05])).endswith("; per seed +5.0; one seed, no interval over seeds") and fmt_vs(None) == "n/a"
+
+
+def test_a_resumed_grid_names_every_invocation_behind_its_runs(tmp_path):
+    """Runs trained by two invocations (different commits, days, CPU kinds) and one run from before runs recorded
+    their origin: the results file's provenance names each, with its runs; an unfinished run is in none."""
+    from experiments.grid import provenance
+    from tools.results import invocation
+
+    a, b = Arm("bf16", "configs/tiny_bf16.yaml"), Arm("fp8", "configs/tiny_fp8_e2e.yaml")
+    g = Grid((a, b), (0, 1, 2), tmp_path / "g")
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    first = {"commit": "abc1234", "dirty_files": [], "date": "2026-12-01 10:00 UTC", "cpu_kind": "avx2",
+             "cpu_model": "AMD EPYC", "command": ".venv/bin/python -m experiments.x --seeds 0"}
+    second = {**invocation(), "command": ".venv/bin/python -m experiments.x"}
+    val = {0: [0, 1], 2: [1, 1]}
+    _fake_run(g, a, 0, uri, val, {}, trained_by=first)
+    _fake_run(g, b, 0, uri, val, {}, trained_by=first)
+    _fake_run(g, a, 1, uri, val, {}, trained_by=second)
+    _fake_run(g, b, 1, uri, val, {})  # trained before markers carried an origin
+    lines = provenance(g)
+    assert lines[0] == ("- runs trained at commit `abc1234`, 2026-12-01 10:00 UTC, CPU AMD EPYC (kind `avx2`), by "
+                        "`.venv/bin/python -m experiments.x --seeds 0`: bf16 seed 0, fp8 seed 0")
+    assert lines[1].startswith(f"- runs trained at commit `{second['commit']}") and \
+        f"(kind `{second['cpu_kind']}`)" in lines[1] and lines[1].endswith(": bf16 seed 1")
+    assert lines[2] == ("- runs trained before grid runs recorded their origin (commit, date and CPU not recorded): "
+                        "fp8 seed 1")
+    assert len(lines) == 3  # seed 2 never ran

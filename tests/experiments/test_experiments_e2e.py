@@ -60,6 +60,10 @@ def test_recipe_table_two_arms_end_to_end(tmp_path, capsys, monkeypatch):
     text = capsys.readouterr().out
     assert text.count("already finished, skipped") == 2 and "recipe_table: training" not in text
     assert r2["parent_run_id"] == r1["parent_run_id"]
+    # the rerun trained nothing: the runs' origin is still the first invocation's, which trained both
+    assert r2["provenance"] == r1["provenance"] and len(r1["provenance"]) == 1, r1["provenance"]
+    assert r1["provenance"][0].startswith("- runs trained at commit `") and \
+        r1["provenance"][0].endswith(": bf16 seed 0, fp8-rollout-no-is seed 0")
 
 
 @pytest.mark.e2e
