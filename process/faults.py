@@ -1,6 +1,6 @@
 """TEST-ONLY hooks: fault injection and gradient recording, kept out of the product classes.
 
-The recipe's ``testing.*`` keys (configs/schema.py ``TestingCfg``) are read in one place, :meth:`TestHooks.from_config`,
+The recipe's ``testing.*`` keys (configs/sections.py ``TestingCfg``) are read in one place, :meth:`TestHooks.from_config`,
 which returns None when none is set: a real run has no hooks object at all, and the workers and tasks only call a
 hook when theirs is not None.
 

@@ -132,7 +132,7 @@ def start_run(cfg, uri: str, *, run_id: str | None = None, extra_params: Mapping
             "fp8_recipe": cfg.policy.megatron_cfg.fp8_cfg.fp8_recipe if cfg.policy.megatron_cfg.fp8_cfg.enabled
             else "none", "kv_cache_dtype": cfg.policy.generation.vllm_cfg.kv_cache_dtype}
     faults = [f"testing.{k}={v}" for k, v in sorted(asdict(cfg.testing).items()) if v]
-    if faults:  # a TEST-ONLY fault run is marked as such in the UI (configs/schema.py TestingCfg)
+    if faults:  # a TEST-ONLY fault run is marked as such in the UI (configs/sections.py TestingCfg)
         tags["testing.fault"] = " ".join(faults)
     run = c.create_run(exp_id, run_name=cfg.logger.mlflow.run_name or f"{cfg.recipe}", tags=tags)
     flat = {**cfg.flat(), **dict(extra_params or {})}

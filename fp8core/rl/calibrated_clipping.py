@@ -14,7 +14,7 @@ Public API
 ``clip_init_low``, ``clip_init_high`` (the recipe's ``calibration.clip_*`` keys, same names) and ``ref_eps_low``,
 ``ref_eps_high`` (the BF16 reference ``loss_fn.ratio_clip_min`` / ``ratio_clip_max``). A run builds it with
 ``configs.schema.Config.calibrated_clipping_config()``; the defaults live only in the recipe schema
-(configs/schema.py, ``CalibrationCfg`` and ``LossFnCfg``).
+(configs/sections.py, ``CalibrationCfg`` and ``LossFnCfg``).
 ``CalibratedClipping(config)`` (config required): ``.bounds -> (L, H)``, ``.should_calibrate(step) -> bool``,
 ``.calibrate(step, ratio_fp8, ratio_bf16, advantages, mask=None, *, prob_fp8=None, prob_bf16=None) -> ((L, H),
 diagnostics)``, ``ratio_error_amplification(...)`` (diagnostic, below),
@@ -82,7 +82,7 @@ _ROUND = 12  # decimals kept on bounds (grid points are exact decimals, not 0.60
 
 @dataclass(frozen=True, kw_only=True)
 class CalibratedClippingConfig:
-    """Calibrated Clipping's settings; no defaults here (configs/schema.py's ``CalibrationCfg`` holds them): build it
+    """Calibrated Clipping's settings; no defaults here (configs/sections.py's ``CalibrationCfg`` holds them): build it
     with ``configs.schema.Config.calibrated_clipping_config()``."""
 
     clip_period: int  # calibrate every clip_period steps

@@ -15,12 +15,12 @@ READERS = {
     "run_dir": ("flows/grpo.py", "cfg.run_dir"),
     "recipe": ("tasks/tracking.py", "cfg.recipe"),
     "policy.model_name": ("flows/grpo.py", "cfg.policy.model_name"),
-    "policy.tokenizer_name": ("configs/schema.py", "p.tokenizer_name"),  # only null / = model_name (rejected else)
+    "policy.tokenizer_name": ("configs/validation.py", "p.tokenizer_name"),  # only null / = model_name (rejected else)
     "policy.model_revision": ("storage/hub.py", "revision=p.model_revision"),
     "policy.train_global_batch_size": ("trainer/policy.py", ".train_global_batch_size"),
     "policy.train_micro_batch_size": ("trainer/policy.py", ".train_micro_batch_size"),
     "policy.logprob_batch_size": ("trainer/policy.py", ".logprob_batch_size"),
-    "policy.max_total_sequence_length": ("configs/schema.py", "p.max_total_sequence_length"),  # checked at load
+    "policy.max_total_sequence_length": ("configs/validation.py", "p.max_total_sequence_length"),  # checked at load
     "policy.precision": ("trainer/policy.py", "policy.precision"),
     "policy.bf16_mode": ("trainer/policy.py", "p.bf16_mode"),
     "policy.max_grad_norm": ("trainer/policy.py", ".max_grad_norm"),
@@ -31,38 +31,38 @@ READERS = {
     "policy.scheduler.warmup_steps": ("trainer/policy.py", "s.warmup_steps"),
     "policy.scheduler.decay": ("trainer/policy.py", "s.decay"),
     "policy.scheduler.min_lr_ratio": ("trainer/policy.py", "s.min_lr_ratio"),
-    "policy.megatron_cfg.enabled": ("configs/schema.py", "p.megatron_cfg.enabled"),  # only false
+    "policy.megatron_cfg.enabled": ("configs/validation.py", "p.megatron_cfg.enabled"),  # only false
     "policy.megatron_cfg.activation_checkpointing": ("trainer/policy.py", "p.megatron_cfg.activation_checkpointing"),
-    "policy.megatron_cfg.fp8_cfg.enabled": ("configs/schema.py", "f8.enabled"),
-    "policy.megatron_cfg.fp8_cfg.fp8": ("configs/schema.py", "fmt=f8.fp8"),
-    "policy.megatron_cfg.fp8_cfg.fp8_recipe": ("configs/schema.py", "getattr(f8, k) for k in FP8_RECIPE_KEYS"),
-    "policy.megatron_cfg.fp8_cfg.fp8_param": ("configs/schema.py", "f8.fp8_param"),  # only false
-    "policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16": ("configs/schema.py", "f8.num_first_layers_in_bf16"),
-    "policy.megatron_cfg.fp8_cfg.num_last_layers_in_bf16": ("configs/schema.py", "f8.num_last_layers_in_bf16"),
-    "policy.megatron_cfg.fp8_cfg.pow2_weight_scaling_factors": ("configs/schema.py", "getattr(f8, k) for k in FP8_RECIPE_KEYS"),
+    "policy.megatron_cfg.fp8_cfg.enabled": ("configs/sections.py", "f8.enabled"),
+    "policy.megatron_cfg.fp8_cfg.fp8": ("configs/sections.py", "fmt=f8.fp8"),
+    "policy.megatron_cfg.fp8_cfg.fp8_recipe": ("configs/sections.py", "getattr(f8, k) for k in FP8_RECIPE_KEYS"),
+    "policy.megatron_cfg.fp8_cfg.fp8_param": ("configs/validation.py", "f8.fp8_param"),  # only false
+    "policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16": ("configs/validation.py", "f8.num_first_layers_in_bf16"),
+    "policy.megatron_cfg.fp8_cfg.num_last_layers_in_bf16": ("configs/validation.py", "f8.num_last_layers_in_bf16"),
+    "policy.megatron_cfg.fp8_cfg.pow2_weight_scaling_factors": ("configs/sections.py", "getattr(f8, k) for k in FP8_RECIPE_KEYS"),
     "policy.megatron_cfg.fp8_cfg.pow2_activation_scaling_factors": (
-        "configs/schema.py", "getattr(f8, k) for k in FP8_RECIPE_KEYS"),
-    "policy.megatron_cfg.fp8_cfg.backend": ("configs/schema.py", "backend=f8.backend"),
-    "policy.generation.backend": ("configs/schema.py", 'backend: Literal["vllm"]'),  # the only engine
+        "configs/sections.py", "getattr(f8, k) for k in FP8_RECIPE_KEYS"),
+    "policy.megatron_cfg.fp8_cfg.backend": ("configs/sections.py", "backend=f8.backend"),
+    "policy.generation.backend": ("configs/sections.py", 'backend: Literal["vllm"]'),  # the only engine
     "policy.generation.max_new_tokens": ("tasks/rl.py", "gen.max_new_tokens"),
     "policy.generation.temperature": ("tasks/rl.py", "gen.temperature"),
     "policy.generation.top_p": ("tasks/rl.py", "gen.top_p"),
-    "policy.generation.top_k": ("configs/schema.py", "p.generation.top_k"),  # only null / -1
-    "policy.generation.vllm_cfg.precision": ("configs/schema.py", 'vc.precision != "fp8"'),
+    "policy.generation.top_k": ("configs/validation.py", "p.generation.top_k"),  # only null / -1
+    "policy.generation.vllm_cfg.precision": ("configs/sections.py", 'vc.precision != "fp8"'),
     "policy.generation.vllm_cfg.kv_cache_dtype": ("rollout/engine.py", "vc.kv_cache_dtype"),
     "policy.generation.vllm_cfg.kv_cache_impl": ("rollout/engine.py", "vc.kv_cache_impl"),
     "policy.generation.vllm_cfg.bf16_mode": ("rollout/engine.py", "vc.bf16_mode"),
-    "policy.generation.vllm_cfg.fp8_recipe": ("configs/schema.py", "getattr(vc, k) for k in FP8_RECIPE_KEYS"),
-    "policy.generation.vllm_cfg.num_first_layers_in_bf16": ("configs/schema.py", "getattr(vc, k) for k in FP8_RECIPE_KEYS"),
-    "policy.generation.vllm_cfg.num_last_layers_in_bf16": ("configs/schema.py", "getattr(vc, k) for k in FP8_RECIPE_KEYS"),
-    "policy.generation.vllm_cfg.pow2_weight_scaling_factors": ("configs/schema.py", "getattr(vc, k) for k in FP8_RECIPE_KEYS"),
-    "policy.generation.vllm_cfg.pow2_activation_scaling_factors": ("configs/schema.py", "getattr(vc, k) for k in FP8_RECIPE_KEYS"),
+    "policy.generation.vllm_cfg.fp8_recipe": ("configs/sections.py", "getattr(vc, k) for k in FP8_RECIPE_KEYS"),
+    "policy.generation.vllm_cfg.num_first_layers_in_bf16": ("configs/sections.py", "getattr(vc, k) for k in FP8_RECIPE_KEYS"),
+    "policy.generation.vllm_cfg.num_last_layers_in_bf16": ("configs/sections.py", "getattr(vc, k) for k in FP8_RECIPE_KEYS"),
+    "policy.generation.vllm_cfg.pow2_weight_scaling_factors": ("configs/sections.py", "getattr(vc, k) for k in FP8_RECIPE_KEYS"),
+    "policy.generation.vllm_cfg.pow2_activation_scaling_factors": ("configs/sections.py", "getattr(vc, k) for k in FP8_RECIPE_KEYS"),
     "policy.generation.vllm_cfg.max_model_len": ("rollout/engine.py", "vc.max_model_len"),
-    "policy.generation.vllm_cfg.tensor_parallel_size": ("configs/schema.py", "vc.tensor_parallel_size"),  # only 1
+    "policy.generation.vllm_cfg.tensor_parallel_size": ("configs/validation.py", "vc.tensor_parallel_size"),  # only 1
     "policy.generation.vllm_cfg.gpu_memory_utilization": ("rollout/engine.py", "vc.gpu_memory_utilization"),
     "policy.generation.vllm_cfg.kv_cache_memory_bytes": ("rollout/engine.py", "vc.kv_cache_memory_bytes"),
     "policy.generation.vllm_cfg.enforce_eager": ("rollout/engine.py", "vc.enforce_eager"),
-    "policy.generation.vllm_cfg.use_deep_gemm": ("configs/schema.py", "vc.use_deep_gemm"),  # only false
+    "policy.generation.vllm_cfg.use_deep_gemm": ("configs/validation.py", "vc.use_deep_gemm"),  # only false
     "policy.generation.vllm_cfg.max_num_seqs": ("rollout/engine.py", "vc.max_num_seqs"),
     "policy.generation.vllm_cfg.max_num_batched_tokens": ("rollout/engine.py", "vc.max_num_batched_tokens"),
     "policy.generation.vllm_cfg.threads": ("cluster/runtime.py", "vllm_cfg.threads"),
@@ -117,7 +117,7 @@ READERS = {
     "data.subset": ("data/loading.py", "subset=data_cfg.subset"),
     "data.question_key": ("data/loading.py", ".question_key"),
     "data.answer_key": ("data/loading.py", ".answer_key"),
-    "data.max_input_seq_length": ("configs/schema.py", "c.data.max_input_seq_length"),  # checked at load
+    "data.max_input_seq_length": ("configs/validation.py", "c.data.max_input_seq_length"),  # checked at load
     "data.shuffle": ("data/loading.py", ".shuffle"),
     "data.s3_endpoint_url": ("data/loading.py", ".s3_endpoint_url"),
     "data.system_prompt": ("data/prompt.py", "data.system_prompt"),
@@ -153,8 +153,8 @@ READERS = {
     "ray.rollout_worker.num_cpus": ("cluster/runtime.py", "rw.num_cpus"),
     "ray.rollout_worker.num_gpus": ("cluster/runtime.py", "rw.num_gpus"),
     "hub.allow_downloads": ("flows/grpo.py", "allow_downloads=cfg.hub.allow_downloads"),
-    "cluster.num_nodes": ("configs/schema.py", "c.cluster.num_nodes"),  # consistency with ray.* checked at load
-    "cluster.gpus_per_node": ("configs/schema.py", "c.cluster.gpus_per_node"),
+    "cluster.num_nodes": ("configs/validation.py", "c.cluster.num_nodes"),  # consistency with ray.* checked at load
+    "cluster.gpus_per_node": ("configs/validation.py", "c.cluster.gpus_per_node"),
     "cluster.rollout_workers": ("cluster/runtime.py", "cfg.cluster.rollout_workers"),
     "cluster.policy_workers": ("cluster/runtime.py", "cfg.cluster.policy_workers"),
     "cluster.collective_timeout_s": ("cluster/runtime.py", "cfg.cluster.collective_timeout_s"),
@@ -164,14 +164,14 @@ READERS = {
     "bootstrap.sft_steps": ("flows/grpo.py", "cfg.bootstrap.sft_steps"),
     "bootstrap.model": ("flows/grpo.py", "cfg.bootstrap.model"),
     # the size keys reach the flow as BootstrapCfg.model_size() (flows/grpo.py), applied by embedded.bootstrap.model_spec
-    "bootstrap.hidden_size": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
-    "bootstrap.num_hidden_layers": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
-    "bootstrap.num_attention_heads": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
-    "bootstrap.num_key_value_heads": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
-    "bootstrap.intermediate_size": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
-    "bootstrap.num_experts": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
-    "bootstrap.num_experts_per_tok": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
-    "bootstrap.moe_intermediate_size": ("configs/schema.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.hidden_size": ("configs/sections.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.num_hidden_layers": ("configs/sections.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.num_attention_heads": ("configs/sections.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.num_key_value_heads": ("configs/sections.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.intermediate_size": ("configs/sections.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.num_experts": ("configs/sections.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.num_experts_per_tok": ("configs/sections.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
+    "bootstrap.moe_intermediate_size": ("configs/sections.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
     "policy.router_replay.enabled": ("trainer/policy.py", "p.router_replay.enabled"),
     "policy.sequence_packing.enabled": ("trainer/policy.py", "if sp.enabled"),
     "policy.sequence_packing.train_mb_tokens": ("trainer/policy.py", "sp.train_mb_tokens or"),

@@ -40,7 +40,7 @@ def test_experiments_are_tagged_model_training(tmp_path):
 
 
 def test_a_fault_run_is_tagged_and_a_real_run_is_not(tmp_path):
-    """A TEST-ONLY fault run carries the ``testing.fault`` tag naming its faults (configs/schema.py TestingCfg)."""
+    """A TEST-ONLY fault run carries the ``testing.fault`` tag naming its faults (configs/sections.py TestingCfg)."""
     from mlflow.tracking import MlflowClient
 
     from configs.schema import load_config
