@@ -4,8 +4,8 @@ MLflow sqlite store)."""
 import pytest
 
 from configs.schema import ConfigError, load_config
-from flows.grpo import step_interval
 from flows.rl_step import _overlap
+from flows.run_report import step_interval
 
 RECIPE = "configs/tiny_fp8_e2e.yaml"
 

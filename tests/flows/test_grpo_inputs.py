@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.grpo import _progress, main, resolve_paths
+from flows.grpo import main, resolve_paths
+from flows.run_report import progress_line
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = str(ROOT / "configs" / "tiny_bf16.yaml")
@@ -24,7 +25,7 @@ def test_paths_and_progress_line():
     cfg = load_config(RECIPE, ["run_dir=/tmp/x", "checkpointing.checkpoint_dir=s3://b/p"])
     assert resolve_paths(cfg) == (Path("/tmp/x"), "s3://b/p")
     assert resolve_paths(load_config(RECIPE, ["run_dir=/tmp/x"]))[1] == "/tmp/x/checkpoints"
-    line = _progress(3, 20, {"reward/mean": 0.5, "mismatch/token_mult_prob_error": 1.01, "time/step_s": 12.0}, 0.4)
+    line = progress_line(3, 20, {"reward/mean": 0.5, "mismatch/token_mult_prob_error": 1.01, "time/step_s": 12.0}, 0.4)
     assert line.startswith("step   3/20 | reward 0.500 | val_acc 0.400 | mismatch 1.0100")
 
 

@@ -1,7 +1,7 @@
 """The run's report (the Prefect artifact): what a user asks first -- accuracy start -> end with CIs, mismatch, step
 time, where the MLflow run is -- from the summary and validation metrics the flow keeps."""
 from configs.schema import load_config
-from flows.grpo import run_report
+from flows.run_report import run_report
 
 
 def test_report_answers_accuracy_mismatch_and_time():
