@@ -10,6 +10,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fp8core.choices import (
+    BF16Mode,
+    GemmBackend,
+    ImportanceSampling,
+    KLType,
+    KVCacheDtype,
+    KVCacheImpl,
+    LinearFormat,
+    Recipe,
+)
+
 __all__ = ["DEFAULT_TASK", "EMBEDDED", "FP8_RECIPE_KEYS", "MOE_SIZE_KEYS", "TINY_MODEL_SIZE", "AsyncGrpoCfg", "BootstrapCfg",
            "CalibrationCfg", "CheckpointingCfg", "ClusterCfg", "Config", "ConfigError", "DataCfg", "EvalSetCfg",
            "EvaluationCfg", "Fp8Cfg", "GenerationCfg", "GrpoCfg", "HubCfg", "LoggerCfg", "LossFnCfg", "MegatronCfg",
@@ -33,18 +44,18 @@ class VllmCfg:
     ``precision: fp8`` = FP8 weights/activations in vLLM's linears."""
 
     precision: Literal["bfloat16", "fp8"] = "bfloat16"
-    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # fp8 = E4M3 cache with per-layer K/V scales from calibration
+    kv_cache_dtype: KVCacheDtype = "auto"  # fp8 = E4M3 cache with per-layer K/V scales from calibration
     # BF16 rollouts: auto = emulated (FP32 GEMMs on BF16-rounded operands, rollout/vllm_bf16.py) on CPUs without
     # BF16 units, native vLLM BF16 elsewhere; native | emulated force one (policy.bf16_mode is the trainer's twin).
-    bf16_mode: Literal["auto", "native", "emulated"] = "auto"
+    bf16_mode: BF16Mode = "auto"
     # How kv_cache_dtype=fp8 is realised (rollout/engine.py): native = vLLM's FP8 cache (on CPU needs AVX-512/AMX and
     # head_size % 32 == 0), emulated = BF16 cache with K/V rounded through E4M3 (any CPU; no capacity gain),
     # auto = native where vLLM allows it, else emulated.
-    kv_cache_impl: Literal["auto", "native", "emulated"] = "auto"
+    kv_cache_impl: KVCacheImpl = "auto"
     # FP8 numerics of the engine's linears. null = follow the trainer's policy.megatron_cfg.fp8_cfg (end-to-end FP8),
     # or blockwise / 0 / false for FP8-generation-only recipes. Set with FP8 training on, they must equal the
     # trainer's (Config.rollout_fp8_spec); the schema rejects a disagreement naming both keys.
-    fp8_recipe: Literal["blockwise", "rowwise", "tensorwise"] | None = None
+    fp8_recipe: Recipe | None = None
     num_first_layers_in_bf16: int | None = None
     num_last_layers_in_bf16: int | None = None
     pow2_weight_scaling_factors: bool | None = None
@@ -92,14 +103,14 @@ class Fp8Cfg:
     """Trainer FP8 (seed: ``policy.megatron_cfg.fp8_cfg``). ``fp8``: e4m3 everywhere or hybrid (E5M2 gradients)."""
 
     enabled: bool = False
-    fp8: Literal["e4m3", "hybrid"] = "e4m3"
-    fp8_recipe: Literal["blockwise", "rowwise", "tensorwise"] = "blockwise"
+    fp8: LinearFormat = "e4m3"
+    fp8_recipe: Recipe = "blockwise"
     fp8_param: bool = False
     num_first_layers_in_bf16: int = 0
     num_last_layers_in_bf16: int = 0
     pow2_weight_scaling_factors: bool = False
     pow2_activation_scaling_factors: bool = False
-    backend: Literal["auto", "cpu", "emulated", "scaled_mm"] = "auto"
+    backend: GemmBackend = "auto"
 
 
 @dataclass(frozen=True)
@@ -168,7 +179,7 @@ class PolicyCfg:
     precision: Literal["bfloat16", "float32"] = "bfloat16"
     # how precision=bfloat16 is computed: native = torch.autocast BF16; emulated = BF16-rounded GEMM operands and
     # results with FP32 GEMMs (fp8core.bf16; CPUs without BF16 units); auto = native where the CPU has BF16 units
-    bf16_mode: Literal["auto", "native", "emulated"] = "auto"
+    bf16_mode: BF16Mode = "auto"
     max_grad_norm: float = 1.0
     optimizer: OptimizerCfg = field(default_factory=OptimizerCfg)
     scheduler: SchedulerCfg = field(default_factory=SchedulerCfg)
@@ -191,11 +202,11 @@ class LossFnCfg:
     # reference-policy KL (NeMo RL's keys): coefficient (0 = off), estimator of KL(pi || pi_ref) at the sampled tokens,
     # and the clamps of its input log-ratio and of its output (null = none); the reference is the initial policy
     reference_policy_kl_penalty: float = 0.0
-    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    reference_policy_kl_type: KLType = "k3"
     kl_input_clamp_value: float | None = 20.0
     kl_output_clamp_value: float | None = 10.0
     use_importance_sampling_correction: bool = False
-    importance_sampling: Literal["tis", "icepop", "seq_mask_tis"] = "tis"
+    importance_sampling: ImportanceSampling = "tis"
     is_truncation: float = 2.0  # TIS cap C: weight = min(pi_old/pi_rollout, C)
     is_mask_low: float | None = None  # ICE-POP / seq-mask-TIS band [low, high]; None = fp8core.rl defaults
     is_mask_high: float | None = None

@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from fp8core.choices import BF16_MODES
+
 __all__ = ["BF16Emulation", "BF16_MODES", "bf16_linear", "resolve_bf16_mode", "round_bf16"]
 
-BF16_MODES = ("auto", "native", "emulated")
 
 
 def round_bf16(t: torch.Tensor) -> torch.Tensor:

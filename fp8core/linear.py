@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8core import gemm
+from fp8core.choices import GEMM_BACKENDS, LINEAR_FORMATS, RECIPES
 from fp8core.quant import (
     GROUP,
     QuantizedTensor,
@@ -63,9 +64,7 @@ from fp8core.quant import (
     quantize_dequantize_columns,
 )
 
-RECIPES = ("blockwise", "rowwise", "tensorwise")
-LINEAR_FORMATS = ("e4m3", "hybrid")
-BACKENDS = ("auto", "cpu", "emulated", "scaled_mm")
+BACKENDS = GEMM_BACKENDS  # the name fp8core.spec and the tests use
 # operand granularity per recipe: activations/gradients ("act", along the contraction dim) and the fprop weight
 ACT_GRANULARITY = {"blockwise": "group128", "rowwise": "rowwise", "tensorwise": "tensorwise"}
 WEIGHT_GRANULARITY = {"blockwise": "block128", "rowwise": "rowwise", "tensorwise": "tensorwise"}

@@ -26,15 +26,22 @@ from enum import StrEnum
 
 import torch
 
+from fp8core.choices import IMPORTANCE_SAMPLING
 from fp8core.rl.metrics import is_metrics
 
 __all__ = ["ISKind", "tis_weights", "icepop_weights", "seq_mask_tis_weights", "importance_weights", "raw_is_ratio"]
 
 
 class ISKind(StrEnum):
+    """The importance weights by name; the names are fp8core.choices.IMPORTANCE_SAMPLING (the schema's
+    ``loss_fn.importance_sampling``), checked on import."""
+
     TIS = "tis"
     ICE_POP = "icepop"
     SEQ_MASK_TIS = "seq_mask_tis"
+
+
+assert tuple(ISKind) == IMPORTANCE_SAMPLING, "ISKind must list fp8core.choices.IMPORTANCE_SAMPLING, in order"
 
 
 def _check(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> None:

@@ -46,10 +46,10 @@ from enum import Enum, StrEnum
 
 import torch
 
+from fp8core.choices import KL_TYPES
 from fp8core.rl.metrics import clip_metrics, masked_mean
 
 __all__ = ["RatioLevel", "LossAgg", "KL_TYPES", "clipped_pg_loss", "reference_kl", "sequence_log_ratio"]
-KL_TYPES = ("k1", "k2", "k3")
 
 
 def reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, kl_type: str = "k3", *,
