@@ -82,12 +82,13 @@ def measure(recipe: str, steps: int, max_new_tokens: int, task: str, overrides: 
 
 def _steps(w, steps: int, engine, trainers: dict, gen, per_step: list, task: str, score, spread: bool) -> None:
     from embedded.tiny_model import chat_prompt
+    from tasks.rl import rollout_seed
 
     for step in range(1, steps + 1):
         rows = step_rows(w, step - 1)
         prompts = [chat_prompt(trainers["padded"].tokenizer, r["question"], task) for r in rows]
         outs = engine.generate(prompts, n=w.num_generations, max_tokens=gen.max_new_tokens,
-                               temperature=gen.temperature, top_p=gen.top_p, seed=w.seed * 1_000_003 + step * 9973)
+                               temperature=gen.temperature, top_p=gen.top_p, seed=rollout_seed(w.seed, step))
         rewards = [float(score(s["text"], r["answer"])) for r, o in zip(rows, outs, strict=True)
                    for s in o["samples"]]
         if spread:

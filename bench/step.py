@@ -33,6 +33,7 @@ def run_project(recipe: str, w: Workload, *, steps: int = 4, overrides: tuple[st
     from configs.schema import load_config
     from embedded.tiny_model import chat_prompt
     from rollout.engine import RolloutWorker
+    from tasks.rl import rollout_seed
     from trainer.policy import PolicyWorker
 
     cfg = load_config(ROOT / recipe, [*recipe_overrides(w), *overrides])
@@ -49,7 +50,7 @@ def run_project(recipe: str, w: Workload, *, steps: int = 4, overrides: tuple[st
             t1 = time.perf_counter()
             outs = rollout.generate([chat_prompt(policy.tokenizer, r["question"]) for r in rows],
                                     n=w.num_generations, max_tokens=gen.max_new_tokens, temperature=gen.temperature,
-                                    top_p=gen.top_p, seed=w.seed * 1_000_003 + step * 9973)
+                                    top_p=gen.top_p, seed=rollout_seed(w.seed, step))
             t2 = time.perf_counter()
             rewards = [reward(s["text"], r["answer"]) for o, r in zip(outs, rows, strict=True) for s in o["samples"]]
             t3 = time.perf_counter()

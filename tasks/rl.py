@@ -27,6 +27,12 @@ def prompts_for(ctx: RunContext, rows: list[dict]) -> list[str]:
     return get(actor(ctx.rollouts[0]).render_prompts.remote(ctx.prompt, [(r["question"], r["task"]) for r in rows]))
 
 
+def rollout_seed(run_seed: int, step: int) -> int:
+    """The sampling seed of step ``step``'s rollouts in a run seeded ``run_seed`` (the engine derives each prompt's
+    seeds from it): the one formula the flow and the benchmarks use, so a bench step samples what the run's step did."""
+    return run_seed * 1_000_003 + step * 9973
+
+
 def _fault_due(ctx: RunContext, what: str, step: int) -> bool:
     """TEST-ONLY: a ``testing.fault_kill_*_at_step`` kill (``kill_rollout`` / ``kill_policy``) is due now."""
     return ctx.hooks is not None and ctx.hooks.kill_due(what, step)
@@ -64,7 +70,7 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     t0, start_unix = time.perf_counter(), time.time()
     g = ctx.gen
     prompts = prompts_for(ctx, rows)
-    seed = ctx.seed * 1_000_003 + step * 9973  # prompt i gets seed + i * n on whichever engine runs it
+    seed = rollout_seed(ctx.seed, step)  # prompt i gets seed + i * n on whichever engine runs it
     ranges = split_groups(len(prompts), len(ctx.rollouts))
     engines = [actor(name) for name in ctx.rollouts[:len(ranges)]]
     if _fault_due(ctx, "kill_rollout", step):
