@@ -97,6 +97,7 @@ def measure(model_dir: Path, recipe: str, world: int, steps: int, out: Path, ove
     import ray
 
     from cluster.runtime import get_fail_fast, policy_refs, start_policy_workers
+    from trainer.policy import PolicyWorker
 
     cfg = config(recipe, world, overrides)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -107,13 +108,13 @@ def measure(model_dir: Path, recipe: str, world: int, steps: int, out: Path, ove
                                           env={"OMP_NUM_THREADS": "1", HEAP_ENV: heap})
     try:
         info = get_fail_fast([h.info.remote() for h in handles])
-        base = get_fail_fast(policy_refs(names, "memory", reset=True))
+        base = get_fail_fast(policy_refs(names, PolicyWorker.memory, reset=True))
         per_step = []
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
-            get_fail_fast(policy_refs(names, "train_step", rollouts, rewards, step=step))
+            get_fail_fast(policy_refs(names, PolicyWorker.train_step, rollouts, rewards, step=step))
             wall = time.perf_counter() - t0
-            mem = get_fail_fast(policy_refs(names, "memory", reset=True))
+            mem = get_fail_fast(policy_refs(names, PolicyWorker.memory, reset=True))
             per_step.append({"step": step, "wall_s": round(wall, 2),
                              "peak_above_baseline": [m["peak"] - b["rss"] for m, b in zip(mem, base, strict=True)],
                              "rss_above_baseline": [m["rss"] - b["rss"] for m, b in zip(mem, base, strict=True)]})

@@ -21,7 +21,7 @@ import os
 import secrets
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -308,9 +308,11 @@ def start_policy_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag:
     return names, handles
 
 
-def policy_call(names: Sequence[str], method: str, *args, **kwargs):
+def policy_call(names: Sequence[str], method: Callable | str, *args, **kwargs):
     """Call ``method`` on every trainer rank at once (data-parallel methods are collectives: each rank must take
-    part) and return rank 0's result; the other ranks' results are waited for (their errors surface) and dropped."""
+    part) and return rank 0's result; the other ranks' results are waited for (their errors surface) and dropped.
+    ``method``: a PolicyWorker method as the class's attribute (``PolicyWorker.train_step``, so a reader and a
+    linter can follow the call), or :data:`RAY_CALL` (see :func:`policy_refs`)."""
     return get_fail_fast(policy_refs(names, method, *args, **kwargs))[0]
 
 
@@ -476,9 +478,26 @@ def await_actors(names: Sequence[str], timeout_s: float, *, poll_s: float = 0.5)
     return time.perf_counter() - t0
 
 
-def policy_refs(names: Sequence[str], method: str, *args, **kwargs) -> list:
-    """The object refs of ``method`` called on every trainer rank at once, rank 0 first (see :func:`policy_call`)."""
-    return [getattr(actor(n), method).remote(*args, **kwargs) for n in names]
+RAY_CALL = "__ray_call__"  # Ray's own actor method: runs the function it is given inside the actor
+
+
+def policy_refs(names: Sequence[str], method: Callable | str, *args, **kwargs) -> list:
+    """The object refs of ``method`` called on every trainer rank at once, rank 0 first (see :func:`policy_call`).
+    ``method`` is a PolicyWorker method (``PolicyWorker.memory``), never its name as a string (tests/cluster
+    checks the call sites), or :data:`RAY_CALL` with a function to run in each actor (TEST-ONLY probes)."""
+    name = _policy_method_name(method)
+    return [getattr(actor(n), name).remote(*args, **kwargs) for n in names]
+
+
+def _policy_method_name(method: Callable | str) -> str:
+    if method == RAY_CALL:
+        return RAY_CALL
+    from trainer.policy import PolicyWorker
+
+    name = getattr(method, "__name__", None)
+    if name is None or getattr(PolicyWorker, name, None) is not method:
+        raise TypeError(f"expected a PolicyWorker method (PolicyWorker.<name>) or RAY_CALL, got {method!r}")
+    return name
 
 
 def start_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str) -> Workers:

@@ -15,9 +15,11 @@ from tasks.tracking import log_metrics, log_text
 
 @task(name="save-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def save_checkpoint(ctx: RunContext, step: int) -> str:
+    from trainer.policy import PolicyWorker
+
     t0 = time.perf_counter()
     ck = ctx.checkpoint
-    uri = policy_call(ctx.trainers, "save_checkpoint",  # data-parallel: gathered to rank 0, which writes
+    uri = policy_call(ctx.trainers, PolicyWorker.save_checkpoint,  # data-parallel: gathered to rank 0, which writes
         ck.uri, step, extra={"mlflow_run_id": ctx.run_id, "tracking_uri": ctx.tracking_uri, "recipe": ctx.recipe,
                              "rollout_fp8_spec": ctx.rollout_fp8_spec},  # what tools.fp8_export serves
         keep_last_k=ck.keep_last_k, endpoint_url=ck.endpoint_url)
@@ -29,6 +31,8 @@ def save_checkpoint(ctx: RunContext, step: int) -> str:
 @task(name="load-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2)
 def load_checkpoint(ctx: RunContext, step: int) -> dict:
     """Restore the policy actor; returns the small state the flow needs (incl. the KV scales to hand to refit)."""
+    from trainer.policy import PolicyWorker
+
     ck = ctx.checkpoint
-    state = policy_call(ctx.trainers, "load_checkpoint", ck.uri, step, endpoint_url=ck.endpoint_url)
+    state = policy_call(ctx.trainers, PolicyWorker.load_checkpoint, ck.uri, step, endpoint_url=ck.endpoint_url)
     return {k: state[k] for k in ("step", "uri", "mlflow_run_id", "clip_bounds", "kv_scales") if k in state}

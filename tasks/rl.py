@@ -45,12 +45,14 @@ def refit(ctx: RunContext, kv_scales: dict | None = None) -> dict:
     fetches (one put, N gets; nothing passes through the driver). Each engine records the policy step it loaded
     (``refit/weights_version``; rollouts check it) and refuses KV scales staler than calibration.kv_scales_period
     allows."""
+    from trainer.policy import PolicyWorker
+
     t0 = time.perf_counter()
     policy = actor(ctx.policy)
     version = get(policy.info.remote())["step"]  # the policy step of the weights (KV scales are checked against it)
     # FP8 codes + scales for end-to-end FP8, else FP32 masters: data-parallel ranks gather them to rank 0 (all take
     # part; the others return nothing)
-    weights, *others = policy_refs(ctx.trainers, "refit_weights")
+    weights, *others = policy_refs(ctx.trainers, PolicyWorker.refit_weights)
     scales = kv_scales if ctx.kv_fp8 else None
     engine_s = get([actor(name).refit.remote(weights, scales, weights_version=version) for name in ctx.rollouts])
     get(others)
@@ -116,10 +118,12 @@ def reward(ref: ray.ObjectRef, rows: list[dict]) -> tuple[list[float], dict]:
 @task(name="train", **TASK)
 def train(ctx: RunContext, ref: ray.ObjectRef, rewards: list[float], step: int) -> dict:
     """One GRPO step on the policy actor (loss, IS correction, clipping; Calibrated Clipping on its K-th steps)."""
+    from trainer.policy import PolicyWorker
+
     t0 = time.perf_counter()
     if _fault_due(ctx, "kill_policy", step):
         get(actor(ctx.trainers[-1]).__ray_call__.remote(arm_kill))  # TEST-ONLY: the last rank dies mid-step
-    m = policy_call(ctx.trainers, "train_step", ref, rewards, step=step)
+    m = policy_call(ctx.trainers, PolicyWorker.train_step, ref, rewards, step=step)
     m["time/train_s"] = time.perf_counter() - t0
     log_metrics(ctx.tracking_uri, ctx.run_id, m, step)
     return m
@@ -144,7 +148,9 @@ def calibrate(ctx: RunContext, ref: ray.ObjectRef, step: int) -> tuple[dict | No
     t0 = time.perf_counter()
     if not (ctx.kv_fp8 and step % ctx.kv_period == 0):
         return None, {"time/calibrate_s": 0.0}
-    s = policy_call(ctx.trainers, "calibrate_kv_scales", ref, max_samples=ctx.kv_samples)
+    from trainer.policy import PolicyWorker
+
+    s = policy_call(ctx.trainers, PolicyWorker.calibrate_kv_scales, ref, max_samples=ctx.kv_samples)
     m = {"time/calibrate_s": time.perf_counter() - t0}
     for key in ("k_scale", "v_scale"):
         m[f"kv/{key}_mean"] = sum(s[key]) / len(s[key])

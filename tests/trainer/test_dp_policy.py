@@ -29,7 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from cluster.runtime import RAY_CALL
 from configs.schema import config_from_dict
+from trainer.policy import PolicyWorker
 
 ROOT = Path(__file__).resolve().parents[2]
 REWARDS = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
@@ -115,9 +117,9 @@ def _grads_and_metrics(names, rollouts, step=1):
     from cluster.runtime import policy_call
     from process.faults import TestHooks
 
-    policy_call(names, "__ray_call__", lambda self: setattr(self, "hooks", TestHooks(record_gradients=True)))
-    m = policy_call(names, "train_step", rollouts, REWARDS, step=step)
-    grads = policy_call(names, "__ray_call__", lambda self: self.hooks.recorded_gradients)
+    policy_call(names, RAY_CALL, lambda self: setattr(self, "hooks", TestHooks(record_gradients=True)))
+    m = policy_call(names, PolicyWorker.train_step, rollouts, REWARDS, step=step)
+    grads = policy_call(names, RAY_CALL, lambda self: self.hooks.recorded_gradients)
     return grads, m
 
 
@@ -125,7 +127,7 @@ def _updates(names):
     """The full gradients of every optimizer update of the last train_step (before clipping)."""
     from cluster.runtime import policy_call
 
-    return policy_call(names, "__ray_call__", lambda self: self.hooks.recorded_updates)
+    return policy_call(names, RAY_CALL, lambda self: self.hooks.recorded_updates)
 
 
 def _norm(grads: dict) -> float:
@@ -143,13 +145,13 @@ def test_two_ranks_match_one_worker(model_dir, ray_local, tmp_path, precision):
     two, two_h = _start(_cfg(2, **over), model_dir, tmp_path, f"two-{precision}")
     try:
         # before training: the gathered masters (and the refit payload) are the single worker's, bit for bit
-        w1, w2 = policy_call(one, "weights"), policy_call(two, "weights")
+        w1, w2 = policy_call(one, PolicyWorker.weights), policy_call(two, PolicyWorker.weights)
         assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
-        r1, r2 = policy_call(one, "refit_weights"), policy_call(two, "refit_weights")
+        r1, r2 = policy_call(one, PolicyWorker.refit_weights), policy_call(two, PolicyWorker.refit_weights)
         assert r1.keys() == r2.keys() and all(torch.equal(r1[k], r2[k]) for k in r1)
         # KV-cache scales: each rank's share of the micro-batches, the 99.9th percentile over all of them
-        k1 = policy_call(one, "calibrate_kv_scales", ro, max_samples=8)
-        k2 = policy_call(two, "calibrate_kv_scales", ro, max_samples=8)
+        k1 = policy_call(one, PolicyWorker.calibrate_kv_scales, ro, max_samples=8)
+        k2 = policy_call(two, PolicyWorker.calibrate_kv_scales, ro, max_samples=8)
         assert k1 == k2
 
         g1, m1 = _grads_and_metrics(one, ro)
@@ -173,7 +175,7 @@ def test_two_ranks_match_one_worker(model_dir, ray_local, tmp_path, precision):
                     "clip/lower_neg_adv_frac", "train/optimizer_updates", "train/tokens"):
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-9), key
         # after the step: the same parameters, moved by Adam's first (sign-like) step of lr 1e-3 from the same start
-        a1, a2 = policy_call(one, "weights"), policy_call(two, "weights")
+        a1, a2 = policy_call(one, PolicyWorker.weights), policy_call(two, PolicyWorker.weights)
         for k in a1:
             assert (a1[k] - a2[k]).abs().max() <= 2.01e-3, k
         assert sum(int(((a1[k] - a2[k]).abs() > 1e-6).sum()) for k in a1) < 1e-3 * sum(v.numel() for v in a1.values())
@@ -193,17 +195,17 @@ def test_checkpoint_round_trip(model_dir, ray_local, tmp_path):
     try:
         two, h = _start(_cfg(2, **over), model_dir, tmp_path, "ck-two")
         started += h
-        policy_call(two, "train_step", ro, REWARDS, step=1)
-        refs = policy_refs(two, "refit_weights")
+        policy_call(two, PolicyWorker.train_step, ro, REWARDS, step=1)
+        refs = policy_refs(two, PolicyWorker.refit_weights)
         assert ray.get(refs[1]) == {} and len(ray.get(refs[0])) > 0  # only rank 0 ships
-        saved = ray.get(policy_refs(two, "save_checkpoint", uri, 1, extra={"mlflow_run_id": "r"}))
+        saved = ray.get(policy_refs(two, PolicyWorker.save_checkpoint, uri, 1, extra={"mlflow_run_id": "r"}))
         assert saved[0].endswith("step_000001") and saved[1] is None  # rank 0 writes
-        w_two = policy_call(two, "weights")
+        w_two = policy_call(two, PolicyWorker.weights)
 
         # 2 -> 2: a resumed group continues exactly as the one that wrote the checkpoint
         again, h = _start(_cfg(2, **over), model_dir, tmp_path, "ck-again")
         started += h
-        st = policy_call(again, "load_checkpoint", uri, 1)
+        st = policy_call(again, PolicyWorker.load_checkpoint, uri, 1)
         assert st["step"] == 1 and st["dp_world"] == 2 and st["mlflow_run_id"] == "r"
         g_two, m_two = _grads_and_metrics(two, ro, step=2)
         g_again, m_again = _grads_and_metrics(again, ro, step=2)
@@ -218,18 +220,18 @@ def test_checkpoint_round_trip(model_dir, ray_local, tmp_path):
         # order of the first update's gradients may round differently)
         one, h = _start(_cfg(1, **over), model_dir, tmp_path, "ck-one")
         started += h
-        policy_call(one, "load_checkpoint", uri, 1)
-        w_one = policy_call(one, "weights")
+        policy_call(one, PolicyWorker.load_checkpoint, uri, 1)
+        w_one = policy_call(one, PolicyWorker.weights)
         assert w_one.keys() == w_two.keys() and all(torch.equal(w_one[k], w_two[k]) for k in w_two)
         g_one, _ = _grads_and_metrics(one, ro, step=2)
         assert max(_rel(g_one[k], g_two[k]) for k in g_two) < 1e-5
 
         # 1 -> 2: the single worker's checkpoint resumes on 2 ranks with its exact masters (loaded into the group
         # resumed above, which has trained a step of its own since: everything it holds must be replaced)
-        policy_call(one, "save_checkpoint", uri, 2)
+        policy_call(one, PolicyWorker.save_checkpoint, uri, 2)
         back = again
-        assert policy_call(back, "load_checkpoint", uri, 2)["step"] == 2
-        w_back, w_one = policy_call(back, "weights"), policy_call(one, "weights")
+        assert policy_call(back, PolicyWorker.load_checkpoint, uri, 2)["step"] == 2
+        w_back, w_one = policy_call(back, PolicyWorker.weights), policy_call(one, PolicyWorker.weights)
         assert all(torch.equal(w_back[k], w_one[k]) for k in w_one)
         g_back, _ = _grads_and_metrics(back, ro, step=3)
         g_one, _ = _grads_and_metrics(one, ro, step=3)
@@ -287,12 +289,12 @@ def test_ranks_gather_one_layer_at_a_time(tmp_path, ray_local):
         from process.faults import TestHooks
 
         for names in (two, ac):
-            policy_call(names, "__ray_call__", _install_gather_probe)
+            policy_call(names, RAY_CALL, _install_gather_probe)
         for names in (one, two, ac):
-            policy_call(names, "__ray_call__", lambda self: setattr(self, "hooks", TestHooks(record_gradients=True)))
-        m1 = policy_call(one, "train_step", ro, rewards, step=1)
-        m2 = policy_call(two, "train_step", ro, rewards, step=1)
-        policy_call(ac, "train_step", ro, rewards, step=1)
+            policy_call(names, RAY_CALL, lambda self: setattr(self, "hooks", TestHooks(record_gradients=True)))
+        m1 = policy_call(one, PolicyWorker.train_step, ro, rewards, step=1)
+        m2 = policy_call(two, PolicyWorker.train_step, ro, rewards, step=1)
+        policy_call(ac, PolicyWorker.train_step, ro, rewards, step=1)
         # recomputing gives the same gradients bit for bit, both updates (same ranks, same summation order)
         u_ac, u_two = _updates(ac), _updates(two)
         assert len(u_ac) == len(u_two) == 2
@@ -309,11 +311,11 @@ def test_ranks_gather_one_layer_at_a_time(tmp_path, ray_local):
         # within that noise of zero moves by +lr or -lr depending on the order, and FP8 codes of the blocks it moves
         # flip (measured: the second update's gradients then differ by 3e-2). The masters stay within the two
         # updates' steps of lr 1e-3 each.
-        a1, a2 = policy_call(one, "weights"), policy_call(two, "weights")
+        a1, a2 = policy_call(one, PolicyWorker.weights), policy_call(two, PolicyWorker.weights)
         assert max(float((a1[k] - a2[k]).abs().max()) for k in a1) <= 4.01e-3
-        score = policy_call(two, "score", ro)  # a no-grad pass: 6 rows in 3 batches of 2, shared 2 + 1
+        score = policy_call(two, PolicyWorker.score, ro)  # a no-grad pass: 6 rows in 3 batches of 2, shared 2 + 1
         assert score["logp"].shape[0] == 6
-        probes = ray.get(policy_refs(two, "__ray_call__", lambda self: (
+        probes = ray.get(policy_refs(two, RAY_CALL, lambda self: (
             self.gather_probe, gathered_units(self.model))))
         for rank, (probe, after) in enumerate(probes):
             assert after == 0, (rank, after)  # nothing left gathered
@@ -322,7 +324,7 @@ def test_ranks_gather_one_layer_at_a_time(tmp_path, ray_local):
                   f"backward max {max(probe['backward'])} of 5]")
             assert max(probe["forward"]) <= 2, (rank, max(probe["forward"]))  # the root + this layer
             assert max(probe["backward"]) <= 3, (rank, max(probe["backward"]))  # + the prefetched next layer
-        for rank, (probe, after) in enumerate(ray.get(policy_refs(ac, "__ray_call__", lambda self: (
+        for rank, (probe, after) in enumerate(ray.get(policy_refs(ac, RAY_CALL, lambda self: (
                 self.gather_probe, gathered_units(self.model))))):
             # a recompute is a forward inside the backward: the root + this layer + the prefetched next one
             print(f"[activation checkpointing, rank {rank}: forward max {max(probe['forward'])}, backward max "
