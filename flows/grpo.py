@@ -273,7 +273,7 @@ def _start_workers(run: _Run) -> None:
                            "rollout/bf16_mode": r_stats["bf16_mode"], "cluster/nodes": worker_nodes(workers)})
     run.ctx = RunContext.from_config(cfg, policy=workers.policy_name, rollouts=workers.rollout_names, run_id=run_id,
                                      tracking_uri=uri, model_dir=str(run.model_dir), checkpoint_uri=run.ck_uri,
-                                     policy_ranks=workers.policy_names, run_dir=str(run.run_dir))
+                                     policy_ranks=workers.policy_names, hooks=run.hooks)
 
 
 def _worker_model(run: _Run) -> str:

@@ -101,6 +101,12 @@ class TestHooks:
         right = [i for i, c in enumerate(correct) if c]
         return set(random.Random(seed).sample(right, min(len(right), round(self.val_accuracy_drop * len(correct)))))
 
+    def degrade(self, records: list[dict], seed: int) -> list[dict]:
+        """Validation records (each with ``correct``) with the :meth:`degraded` ones turned wrong and marked
+        ``fault``: what tasks.context.RunContext hands the validation task's records through in a faulted run."""
+        faulty = self.degraded([r["correct"] for r in records], seed)
+        return [{**r, "correct": False, "fault": True} if i in faulty else r for i, r in enumerate(records)]
+
     # -- gradients ---------------------------------------------------------------------------------------------------
     def on_gradients(self, update: int, grads) -> None:
         """Keep the full gradients of ``update`` (0 = the step's first; a new step starts a new list) when recording.

@@ -2,6 +2,7 @@
 KV scales travel through Ray). Built once per run from the recipe by :meth:`RunContext.from_config`."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from configs.schema import GenerationCfg
@@ -28,6 +29,10 @@ class CheckpointTarget:
     endpoint_url: str | None
 
 
+def _as_scored(records: list[dict], seed: int) -> list[dict]:
+    return records
+
+
 @dataclass(frozen=True)
 class RunContext:
     policy: str  # Ray actor names (tasks look actors up by name; handles never cross Prefect)
@@ -50,6 +55,9 @@ class RunContext:
     policy_ranks: tuple[str, ...] = ()  # every data-parallel trainer, rank 0 (``policy``) first; () = just ``policy``
     rollout_max_restarts: int = 0  # cluster.rollout_max_restarts: steps broken by a dead engine are redone this often
     hooks: TestHooks | None = None  # TEST-ONLY faults (process/faults.py): None unless testing.* keys are set
+    # What the validation records go through before they are scored: as they are in a real run; TEST-ONLY
+    # (testing.fault_val_accuracy_drop) the hooks' degradation, installed here so the validation task has no branch
+    validation_records: Callable[[list[dict], int], list[dict]] = _as_scored
 
     @property
     def trainers(self) -> tuple[str, ...]:
@@ -59,7 +67,9 @@ class RunContext:
     @classmethod
     def from_config(cls, cfg, *, policy: str, rollouts: tuple[str, ...], run_id: str | None, tracking_uri: str | None,
                     model_dir: str, checkpoint_uri: str | None, policy_ranks: tuple[str, ...] = (),
-                    run_dir: str = "") -> RunContext:
+                    hooks: TestHooks | None = None) -> RunContext:
+        """The run's context from its recipe and the started workers; ``hooks``: the run's TEST-ONLY hooks, built
+        once by the flow (``TestHooks.from_config``; None in a real run)."""
         gen, cal, ck, ev = cfg.policy.generation, cfg.calibration, cfg.checkpointing, cfg.evaluation
         spec = cfg.rollout_fp8_spec()
         return cls(policy=policy, policy_ranks=tuple(policy_ranks), rollouts=tuple(rollouts), run_id=run_id, tracking_uri=tracking_uri, model_dir=str(model_dir),
@@ -74,4 +84,4 @@ class RunContext:
                    eval=EvalParams(n=ev.num_samples, ks=tuple(ev.pass_k), max_prompts=ev.sampled_max_prompts,
                                    n_boot=ev.bootstrap_samples, sets=tuple(ev.sampled_sets)),
                    rollout_max_restarts=cfg.cluster.rollout_max_restarts,
-                   hooks=TestHooks.from_config(cfg, run_dir))
+                   hooks=hooks, **({"validation_records": hooks.degrade} if hooks and hooks.val_accuracy_drop else {}))

@@ -230,11 +230,10 @@ def validate(ctx: RunContext, sets: dict[str, list[dict]], step: int, *, kv_scal
                               desc=f"validation {name} (step {step})")
         texts = [o["samples"][0]["text"] for o in outs]
         checks = [_verify(r, t) for t, r in zip(texts, rows, strict=True)]
-        faulty = ctx.hooks.degraded([c for _, c in checks], ctx.seed * 7919 + step) if ctx.hooks else set()
         recs = [{"id": r.get("id", i), "question": r["question"], "answer": r["answer"], "response": t,
-                 "format_valid": bool(f), "correct": bool(c) and i not in faulty,
-                 "response_tokens": len(o["samples"][0]["token_ids"]), **({"fault": True} if i in faulty else {})}
+                 "format_valid": bool(f), "correct": bool(c), "response_tokens": len(o["samples"][0]["token_ids"])}
                 for i, (r, t, (f, c), o) in enumerate(zip(rows, texts, checks, outs, strict=True))]
+        recs = ctx.validation_records(recs, ctx.seed * 7919 + step)
         if sampled and name in ev.sets:
             ts = time.perf_counter()
             sub = rows[:ev.max_prompts]
