@@ -137,11 +137,29 @@ def grpo(config_path: str, overrides: list[str] | None = None) -> dict:
     return summary
 
 
+def preflight(cfg: Config, run_dir: Path | None = None) -> tuple[dict, Any]:
+    """The checks a recipe passes before any work, each failing in one line that names the key (ConfigError or
+    ValueError): the evaluation sets' local files, the hub ids pinned in the Hugging Face cache and the model
+    directory (storage.hub.resolve_config), the Ray token file, ``cluster.pin_cpus`` against this machine's CPUs.
+    The command line runs them before Prefect starts; the flow runs them again at its start, with ``run_dir`` (where
+    a local Ray's token is kept). Returns (the pinned hub snapshots by key, the Ray token auth or None)."""
+    from cluster.runtime import cpu_pins, ray_auth
+    from data.eval_sets import check_eval_paths
+    from storage.hub import resolve_config
+
+    check_eval_paths(cfg)
+    hub = resolve_config(cfg)
+    if run_dir is not None:
+        auth = ray_auth(cfg, run_dir)
+    else:  # the command line: only a cluster's token file is read (no side effects before the run starts)
+        auth = ray_auth(cfg, Path(cfg.run_dir)) if cfg.ray.address or cfg.ray.auth_token_path else None
+    cpu_pins(cfg)
+    return hub, auth
+
+
 def _open_run(config_path: str, overrides: list[str] | None) -> _Run:
     """Load + validate the recipe (bad keys/types/combinations fail here), make the run dir (the run's environment,
     Ray token auth, config.resolved.yaml), check the evaluation-set paths and print the recipe and CPU lines."""
-    from cluster.runtime import cpu_pins, ray_auth
-    from data.eval_sets import check_eval_paths
     from fp8core.cpu import cpu_caps
     from fp8core.gemm import describe
     from process.env import apply_env
@@ -152,11 +170,9 @@ def _open_run(config_path: str, overrides: list[str] | None) -> _Run:
     run = _Run(cfg=cfg, run_dir=run_dir, ck_uri=ck_uri, t_start=t_start)
     run_dir.mkdir(parents=True, exist_ok=True)
     apply_env(run_dir, allow_downloads=cfg.hub.allow_downloads)
-    run.auth = ray_auth(cfg, run_dir)  # Ray token auth (a bad ray.auth_token_path fails here, before any work)
-    cpu_pins(cfg)  # cluster.pin_cpus: more worker threads than this machine's CPUs fails here
+    run.hub, run.auth = preflight(cfg, run_dir)  # what the command line checked, again: the flow may run alone
     (run_dir / "config.resolved.yaml").write_text(to_yaml(cfg))
     _say(f"fp8-grpo: recipe {cfg.recipe} ({cfg.precision_tag}), run dir {run_dir}")
-    check_eval_paths(cfg)  # a local evaluation-set file that is missing fails before the assets are built
     run.caps = cpu_caps()  # this (driver) node; each actor reports its own below
     run.cpu = {"cpu_kind": run.caps.kind, "cpu_model": run.caps.model, "cpu_cap": run.caps.cap}
     _say(describe())
@@ -173,11 +189,9 @@ def _assets_and_data(run: _Run) -> None:
     from data.loading import PromptSource
     from data.prompt import PromptFormat
     from flows.bootstrap import bootstrap_flow
-    from storage.hub import resolve_config
 
     cfg = run.cfg
-    run.hub = resolve_config(cfg)  # each hub id pinned to the commit its revision points to now
-    hub = run.hub
+    hub = run.hub  # each hub id pinned to the commit its revision points to now (preflight)
     model_dir = str(hub["policy.model_name"].path) if "policy.model_name" in hub else cfg.policy.model_name
     # hub datasets travel as ORG/NAME@<commit>: the loader reads exactly the pinned snapshot
     train_path = hub["data.train_path"].pinned if "data.train_path" in hub else cfg.data.train_path
@@ -492,21 +506,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(argv[0], argv[1:])  # fail fast with the dotted path, before Prefect starts its server
-        from data.eval_sets import check_eval_paths
-
-        check_eval_paths(cfg)  # evaluation.sets[i].path: a local file that does not exist
-        from storage.hub import resolve_config
-
-        resolve_config(cfg)  # a hub id the Hugging Face cache lacks (downloads off), naming the key
-        if cfg.ray.address or cfg.ray.auth_token_path:  # the cluster's token file too (no side effects here)
-            from cluster.runtime import ray_auth
-
-            ray_auth(cfg, Path(cfg.run_dir))
+        preflight(cfg)
         # A fresh process: the driver (bootstrap SFT, data) follows FP8GRPO_CPU_CAP too. The flow function itself
         # does not patch its process (it may be a long-lived one); the actors always apply the cap themselves.
-        from cluster.runtime import cpu_pins
-
-        cpu_pins(cfg)  # cluster.pin_cpus on too few CPUs
         apply_cpu_cap()
     except (ConfigError, ValueError) as e:
         if debug:
