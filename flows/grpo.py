@@ -73,7 +73,7 @@ class _Run:
     run_dir: Path
     ck_uri: str | None  # checkpointing.checkpoint_dir resolved against run_dir; None when checkpointing is off
     t_start: float
-    auth: Any = None  # Ray token auth (cluster.runtime.ray_auth)
+    auth: Any = None  # Ray token auth (cluster.auth.ray_auth)
     caps: Any = None  # this (driver) node's CPU (fp8core.cpu.cpu_caps); each actor reports its own
     cpu: dict = field(default_factory=dict)  # summary's cpu_* keys: the driver's, then the actors' kinds once up
     model_dir: Any = None  # the local Hugging Face model directory (embedded assets / hub snapshot resolved)
@@ -143,7 +143,8 @@ def preflight(cfg: Config, run_dir: Path | None = None) -> tuple[dict, Any]:
     directory (storage.hub.resolve_config), the Ray token file, ``cluster.pin_cpus`` against this machine's CPUs.
     The command line runs them before Prefect starts; the flow runs them again at its start, with ``run_dir`` (where
     a local Ray's token is kept). Returns (the pinned hub snapshots by key, the Ray token auth or None)."""
-    from cluster.runtime import cpu_pins, ray_auth
+    from cluster.auth import ray_auth
+    from cluster.runtime import cpu_pins
     from data.eval_sets import check_eval_paths
     from storage.hub import resolve_config
 

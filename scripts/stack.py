@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import process.quiet  # noqa: E402,F401  third-party start-up noise off
-from cluster.runtime import TOKEN_FILE, write_token_file  # noqa: E402
+from cluster.auth import TOKEN_FILE, write_token_file  # noqa: E402
 
 POOL = "fp8-grpo-process"
 WORKER_NAME = "fp8-grpo-stack-worker"

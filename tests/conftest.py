@@ -54,7 +54,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # as process.env sets for runs
 # Every Ray the tests start runs with token auth (as the pipeline's do): one random token per pytest session, in a
 # 0600 file under runs/test-env (per process: concurrent sessions must not replace each other's token), removed at exit.
-from cluster.runtime import write_token_file  # noqa: E402
+from cluster.auth import write_token_file  # noqa: E402
 
 _AUTH_DIR = _ROOT / "ray-auth" / str(os.getpid())
 os.environ["RAY_AUTH_MODE"] = "token"

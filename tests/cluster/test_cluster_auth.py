@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.runtime import TOKEN_FILE, check_token_file, ray_auth, write_token_file
+from cluster.auth import TOKEN_FILE, check_token_file, ray_auth, write_token_file
 from configs.schema import Config, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -147,7 +147,7 @@ READERS = {
     "testing.fault_kill_policy_at_step": ("process/faults.py", "kill_policy_at_step=t.fault_kill_policy_at_step"),  # TEST-ONLY
     "ray.address": ("cluster/runtime.py", "cfg.ray.address"),
     "ray.num_cpus": ("cluster/runtime.py", "cfg.ray.num_cpus"),
-    "ray.auth_token_path": ("cluster/runtime.py", "cfg.ray.auth_token_path"),
+    "ray.auth_token_path": ("cluster/auth.py", "cfg.ray.auth_token_path"),
     "ray.policy_worker.num_cpus": ("cluster/runtime.py", "pw.num_cpus"),
     "ray.policy_worker.num_gpus": ("cluster/runtime.py", "pw.num_gpus"),
     "ray.rollout_worker.num_cpus": ("cluster/runtime.py", "rw.num_cpus"),
