@@ -139,8 +139,6 @@ def evaluate(checkpoint: str, out: str | Path, *, recipe: str, overrides: list[s
     from data.loading import load_split, rows
     from data.prompt import PromptFormat
     from fp8core.serve import served_state_dict
-    from fp8core.stats import accuracy_estimate, paired_bootstrap
-    from rewards.verifiers import verify
     from rollout.engine import RolloutWorker
     from storage.checkpoint import CheckpointStore
     from trainer.policy import PolicyWorker
@@ -190,19 +188,33 @@ def evaluate(checkpoint: str, out: str | Path, *, recipe: str, overrides: list[s
     else:
         loaded, exported, loader = _transformers_answers(out, prompt_ids, gen.max_new_tokens)
         reference = _dequantized(served)
-    missing = sorted(set(reference) ^ set(loaded))
-    max_diff = max(float((reference[k].float() - loaded[k].float()).abs().max()) for k in reference if k in loaded)
-    # the same after rounding the trainer's weights to the loader's dtype: 0 = the loader holds exactly them
-    max_diff_rounded = max(float((reference[k].to(loaded[k].dtype).float() - loaded[k].float()).abs().max())
-                           for k in reference if k in loaded)
+    return {"prompts": len(items), "layout": layout, "loader": loader, **_compare_answers(items, exported, trained),
+            **_compare_weights(reference, loaded)}
+
+
+def _compare_answers(items: list[dict], exported: list[dict], trained: list[dict]) -> dict:
+    """Accuracies of the export's and the policy's answers (Wilson 95% CIs), their paired difference (bootstrap CI)
+    and the share of identical responses."""
+    from fp8core.stats import accuracy_estimate, paired_bootstrap
+    from rewards.verifiers import verify
+
     ok_e = [verify(r["task"], s["text"], r["answer"])[1] for r, s in zip(items, exported, strict=True)]
     ok_t = [verify(r["task"], s["text"], r["answer"])[1] for r, s in zip(items, trained, strict=True)]
     diff = paired_bootstrap([float(x) for x in ok_t], [float(x) for x in ok_e])
-    return {"prompts": len(items), "layout": layout, "loader": loader, "export": accuracy_estimate(ok_e).as_dict(),
-            "policy": accuracy_estimate(ok_t).as_dict(), "export_minus_policy": diff.as_dict(),
+    return {"export": accuracy_estimate(ok_e).as_dict(), "policy": accuracy_estimate(ok_t).as_dict(),
+            "export_minus_policy": diff.as_dict(),
             "same_responses": sum(a["text"] == b["text"] for a, b in zip(exported, trained, strict=True))
-            / len(items), "max_weight_diff": max_diff, "max_weight_diff_in_loader_dtype": max_diff_rounded,
-            "keys_not_in_both": missing}
+            / len(items)}
+
+
+def _compare_weights(reference: dict, loaded: dict) -> dict:
+    """The largest difference between the trainer's weights and the loader's, as they are and after rounding the
+    trainer's to the loader's dtype (0 = the loader holds exactly them), and the keys only one side has."""
+    both = [k for k in reference if k in loaded]
+    return {"max_weight_diff": max(float((reference[k].float() - loaded[k].float()).abs().max()) for k in both),
+            "max_weight_diff_in_loader_dtype": max(float((reference[k].to(loaded[k].dtype).float()
+                                                          - loaded[k].float()).abs().max()) for k in both),
+            "keys_not_in_both": sorted(set(reference) ^ set(loaded))}
 
 
 def _dequantized(served: dict) -> dict:
