@@ -41,6 +41,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR_ENV = "FP8GRPO_RESULTS_DIR"
+# What the commands write, not what they run: changes here do not make a stamp's tree dirty (a command run after
+# another one has rewritten its results file measures the committed code all the same)
+OUTPUTS = ("docs/results/", "docs/img/")
 
 
 def results_dir() -> Path:
@@ -60,7 +63,8 @@ def _git(*args: str, cwd: Path = ROOT) -> str:
 
 def stamp(module: str, argv: Sequence[str], *, repo: Path = ROOT) -> dict:
     """Where a table comes from, taken when the command starts (before the measurement, so later edits to the tree
-    do not leak in): the commit of ``repo`` (``+dirty`` and the changed tracked files when the tree differs from it),
+    do not leak in): the commit of ``repo`` (``+dirty`` and the changed tracked files when the tree differs from it
+    outside :data:`OUTPUTS`, the results files and figures the commands write),
     the UTC date, this process's CPU model and kind (fp8core.cpu.cpu_caps: after FP8GRPO_CPU_CAP, so call it after
     ``apply_cpu_cap``), and the command line ``<python> -m <module> <argv>`` (the project's .venv/bin/python as
     such, not its resolved target)."""
@@ -86,7 +90,8 @@ def _origin(repo: Path) -> dict:
 
     try:
         commit = _git("rev-parse", "--short", "HEAD", cwd=repo).strip()
-        changed = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no", cwd=repo).splitlines()]
+        changed = [line[3:] for line in _git("status", "--porcelain", "--untracked-files=no", cwd=repo).splitlines()
+                   if not line[3:].startswith(OUTPUTS)]
     except (OSError, subprocess.CalledProcessError):
         commit, changed = "unknown", []
     caps = cpu_caps()

@@ -41,6 +41,13 @@ def test_stamp_of_a_clean_and_of_a_dirty_tree(repo):
     exe = exe.relative_to(results.ROOT) if exe.is_relative_to(results.ROOT) else exe
     assert st["writer"] == f"{exe} -m experiments.learning"
     assert st["command"] == f"{exe} -m experiments.learning --seeds 0 'a b'"  # the exact command line, shell-quoted
+    (repo / "docs" / "results").mkdir(parents=True)
+    (repo / "docs" / "results" / "x.md").write_text("a table\n")
+    _git(repo, "add", "docs/results/x.md")
+    _git(repo, "commit", "-q", "-m", "a results file")
+    head = _git(repo, "rev-parse", "--short", "HEAD")
+    (repo / "docs" / "results" / "x.md").write_text("another command's new table\n")  # an output, not code
+    assert stamp("experiments.learning", [], repo=repo)["commit"] == head
     (repo / "b.py").write_text("y = 2\n")
     dirty = stamp("experiments.learning", [], repo=repo)
     assert dirty["commit"] == head + "+dirty" and dirty["dirty_files"] == ["b.py"]
