@@ -10,6 +10,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from configs.base import (
+    DEFAULT_TASK,
+    EMBEDDED,
+    FP8_RECIPE_KEYS,
+    MOE_SIZE_KEYS,
+    TINY_MODEL_SIZE,
+    ConfigError,
+    _check,
+)
+from configs.validation import validate_config
 from fp8core.choices import (
     BF16Mode,
     GemmBackend,
@@ -26,14 +36,6 @@ __all__ = ["DEFAULT_TASK", "EMBEDDED", "FP8_RECIPE_KEYS", "MOE_SIZE_KEYS", "TINY
            "EvaluationCfg", "Fp8Cfg", "GenerationCfg", "GrpoCfg", "HubCfg", "LoggerCfg", "LossFnCfg", "MegatronCfg",
            "MlflowCfg", "OptimizerCfg", "PolicyCfg", "RayCfg", "RouterReplayCfg", "SchedulerCfg", "SequencePackingCfg",
            "TestingCfg", "VllmCfg", "WorkerResources", "flatten", "fp8_spec_from_keys", "fp8_spec_keys"]
-
-
-EMBEDDED = "embedded"  # policy.model_name / data paths: use the project's tiny model and synthetic math task
-DEFAULT_TASK = "addition"  # data.task when the recipe names none (the embedded tasks: rewards/registry.py)
-
-
-class ConfigError(ValueError):
-    """A recipe or override that cannot be used; the message starts with the dotted key path."""
 
 
 # ----------------------------------------------------------------------------------------------------------- sections
@@ -414,12 +416,6 @@ class ClusterCfg:
     pin_cpus: bool = False
 
 
-# The embedded tiny model's size when no ``bootstrap`` size key is set: the values of embedded.tiny_model's
-# TinyModelSpec (and TINY_MOE for the MoE keys), repeated here because configs sits below embedded and the checks of a
-# partial override need them (tests/embedded/test_model_size.py keeps the two equal).
-TINY_MODEL_SIZE = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-                   "intermediate_size": 512, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128}
-MOE_SIZE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -473,9 +469,7 @@ class Config:
     hub: HubCfg = field(default_factory=HubCfg)
 
     def __post_init__(self):
-        from configs.validation import validate_config  # the checks across sections (they import this module)
-
-        validate_config(self)
+        validate_config(self)  # the checks across sections
 
     # -- derived ------------------------------------------------------------------------------------------------------
     @property
@@ -531,13 +525,6 @@ class Config:
 
 
 
-# The FP8 recipe's key names (policy.megatron_cfg.fp8_cfg.<key>, policy.generation.vllm_cfg.<key>, and the engine's
-# HF quantization_config, rollout/vllm_fp8.py) -> the fp8core.spec.FP8Spec field each one sets.
-FP8_RECIPE_KEYS = {"fp8_recipe": "recipe", "num_first_layers_in_bf16": "num_first_layers_in_bf16",
-                   "num_last_layers_in_bf16": "num_last_layers_in_bf16",
-                   "pow2_weight_scaling_factors": "pow2_weight", "pow2_activation_scaling_factors": "pow2_activation"}
-
-
 def fp8_spec_from_keys(keys: Mapping[str, Any], *, where: str, **fields):
     """An ``fp8core.spec.FP8Spec`` from recipe keys (``FP8_RECIPE_KEYS``; absent keys at FP8Spec's defaults) and
     other FP8Spec ``fields``; a bad value raises ValueError naming ``<where>.<key>``."""
@@ -556,11 +543,6 @@ def fp8_spec_from_keys(keys: Mapping[str, Any], *, where: str, **fields):
 def fp8_spec_keys(spec) -> dict[str, Any]:
     """The recipe keys of an ``FP8Spec``'s forward numerics (the inverse of ``fp8_spec_from_keys``)."""
     return {k: getattr(spec, f) for k, f in FP8_RECIPE_KEYS.items()}
-
-
-def _check(cond: bool, path: str, msg: str):
-    if not cond:
-        raise ConfigError(f"{path}: {msg}")
 
 
 def _to_plain(obj):

@@ -1,14 +1,15 @@
-"""The checks across keys and sections of a recipe, run when a ``Config`` is built; the first that fails raises
-its ConfigError, named by the dotted path of the key to change."""
+"""The checks across keys and sections of a recipe, run when a ``Config`` is built (each function takes that
+``configs.sections.Config``, not imported here: sections imports this module); the first that fails raises its
+ConfigError, named by the dotted path of the key to change."""
 
 from __future__ import annotations
 
 import re
 
-from configs.sections import EMBEDDED, FP8_RECIPE_KEYS, MOE_SIZE_KEYS, TINY_MODEL_SIZE, Config, Fp8Cfg, _check
+from configs.base import EMBEDDED, FP8_RECIPE_KEYS, MOE_SIZE_KEYS, TINY_MODEL_SIZE, _check
 
 
-def validate_config(c: Config):
+def validate_config(c):
     """The checks across keys and sections, one section after the other; the first check that fails raises its
     ConfigError (named by the dotted path of the key to change)."""
     _validate_sizes(c)
@@ -25,7 +26,7 @@ def validate_config(c: Config):
     _validate_model_size(c)
 
 
-def _validate_sizes(c: Config):
+def _validate_sizes(c):
     """Counts and batch sizes: each at least 1, a group of >= 2 generations per prompt, batches that divide, and a
     validation period >= 0."""
     g, p = c.grpo, c.policy
@@ -49,7 +50,7 @@ def _validate_sizes(c: Config):
     _check(g.val_period >= 0, "grpo.val_period", f"must be >= 0 (0 = only at start/end), got {g.val_period}")
 
 
-def _validate_loss(c: Config):
+def _validate_loss(c):
     """The loss: clip bounds, the reference-policy KL term, one importance weight only, and the IS mask bounds."""
     lf = c.loss_fn
     _check(0.0 <= lf.ratio_clip_min < 1.0, "loss_fn.ratio_clip_min", f"must be in [0, 1), got {lf.ratio_clip_min}")
@@ -90,7 +91,7 @@ def _validate_loss(c: Config):
                f"need 0 <= is_mask_low < 1 < is_mask_high, got [{lf.is_mask_low}, {lf.is_mask_high}]")
 
 
-def _validate_optimizer_and_sampling(c: Config):
+def _validate_optimizer_and_sampling(c):
     """The optimizer (gradient clip, learning rate, schedule floor) and the rollout sampling (temperature, top-p)."""
     p = c.policy
     _check(p.max_grad_norm > 0, "policy.max_grad_norm", f"must be > 0, got {p.max_grad_norm}")
@@ -108,7 +109,7 @@ def _validate_optimizer_and_sampling(c: Config):
     _check(0 < p.generation.top_p <= 1, "policy.generation.top_p", f"must be in (0, 1], got {p.generation.top_p}")
 
 
-def _validate_fp8(c: Config):
+def _validate_fp8(c):
     """FP8 training and FP8 rollouts: BF16 layer counts >= 0, rollout FP8 keys only with FP8 rollouts (and, end to
     end, equal to the trainer's), no FP8 training settings with FP8 training off, no FP8 parameter storage."""
     p = c.policy
@@ -130,13 +131,13 @@ def _validate_fp8(c: Config):
                    f"{mine!r} disagrees with policy.megatron_cfg.fp8_cfg.{key}={theirs!r}: end-to-end FP8 runs the "
                    "trainer's numerics in the engine (leave the rollout key unset to follow the trainer)")
     if not f8.enabled:
-        _check(f8 == Fp8Cfg(), "policy.megatron_cfg.fp8_cfg",
+        _check(f8 == type(f8)(), "policy.megatron_cfg.fp8_cfg",
                "FP8 training settings given but policy.megatron_cfg.fp8_cfg.enabled is false")
     _check(not f8.fp8_param, "policy.megatron_cfg.fp8_cfg.fp8_param",
            "FP8 parameter storage is not supported (master weights stay BF16/FP32)")
 
 
-def _validate_nemo_keys(c: Config):
+def _validate_nemo_keys(c):
     """Keys kept so NeMo RL recipes load: accepted only with the value that means what we do."""
     p = c.policy
     vc = p.generation.vllm_cfg
@@ -157,7 +158,7 @@ def _validate_nemo_keys(c: Config):
            "tokenizer is not supported, leave it null")
 
 
-def _validate_cluster(c: Config):
+def _validate_cluster(c):
     """The cluster and the Ray workers: node and worker counts, the collective timeout, restarts, each worker's
     resources, and GPUs that fit the nodes."""
     _check(c.cluster.num_nodes >= 1 and c.cluster.gpus_per_node >= 0, "cluster.num_nodes",
@@ -186,7 +187,7 @@ def _validate_cluster(c: Config):
            f"{c.cluster.num_nodes * c.cluster.gpus_per_node}")
 
 
-def _validate_kv_and_calibration(c: Config):
+def _validate_kv_and_calibration(c):
     """The FP8 KV cache and the calibrations: calibrated K/V scales with an FP8 cache (and the KV-only keys only with
     one), and Calibrated Clipping (FP8 training only) with its period, search steps, ranges and starting bounds."""
     lf, cal = c.loss_fn, c.calibration
@@ -220,7 +221,7 @@ def _validate_kv_and_calibration(c: Config):
                f"must lie in calibration.clip_high_range {cal.clip_high_range}, got {cal.clip_init_high}")
 
 
-def _validate_lengths(c: Config):
+def _validate_lengths(c):
     """Sequence lengths: a longest prompt plus its generation fits the engine's and the trainer's sequence length."""
     p = c.policy
     vc = p.generation.vllm_cfg
@@ -238,7 +239,7 @@ def _validate_lengths(c: Config):
                "sequence would not fit in one batch")
 
 
-def _validate_checkpointing(c: Config):
+def _validate_checkpointing(c):
     """Checkpointing: a save period and a number kept that make sense, and resume only with checkpoints on."""
     ck = c.checkpointing
     if ck.enabled:
@@ -258,7 +259,7 @@ def embedded_set_digits(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _validate_evaluation(c: Config):
+def _validate_evaluation(c):
     ev, names = c.evaluation, set()
     for i, s in enumerate(ev.sets):
         key = f"evaluation.sets[{i}]"
@@ -304,7 +305,7 @@ def _validate_evaluation(c: Config):
                f"TEST-ONLY fault: a step in [1, grpo.max_num_steps={c.grpo.max_num_steps}] (0 = off), got {s}")
 
 
-def _validate_model_size(c: Config):
+def _validate_model_size(c):
     """The embedded model's size keys: positive, for the embedded model only (MoE keys for ``model: moe`` only), and
     shapes the FP8 recipes tile (as TinyModelSpec checks): every FP8 linear's input features (hidden_size,
     intermediate sizes) a multiple of 128 for the 128x128 weight blocks and 1x128 activation groups, the K/V
