@@ -239,7 +239,7 @@ class GrpoCfg:
     max_num_steps: int = 20
     normalize_rewards: bool = True
     use_leave_one_out_baseline: bool = False
-    # DAPO dynamic sampling: groups whose rewards are all equal are filtered out of the loss (trainer/policy.py)
+    # DAPO dynamic sampling: groups whose rewards are all equal are filtered out of the loss (trainer/train_step.py)
     dynamic_sampling: bool = False
     val_period: int = 5
     val_at_start: bool = True

@@ -226,8 +226,8 @@ def gather_objects(obj, group: DPGroup) -> list:
 
 
 def longest_first_batches(lengths: torch.Tensor, batch_size: int, max_tokens: int | None = None) -> list[torch.Tensor]:
-    """The no-grad passes' batching rule (PolicyWorker._local_logprobs): positions sorted by length, descending and
-    stable, in chunks of ``batch_size``; with ``max_tokens`` (sequence packing) in chunks of at most that many
+    """The no-grad passes' batching rule (trainer.logprobs.local_logprobs): positions sorted by length, descending
+    and stable, in chunks of ``batch_size``; with ``max_tokens`` (sequence packing) in chunks of at most that many
     tokens instead (token_chunks)."""
     order = torch.argsort(lengths, descending=True, stable=True)
     if max_tokens is not None:

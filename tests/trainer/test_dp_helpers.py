@@ -12,7 +12,7 @@ from trainer.dp import DPGroup, clip_grad_norm, share_batches
 
 
 def _batches(rows: torch.Tensor, lengths: torch.Tensor, bs: int) -> list[list[int]]:
-    """What a rank's longest-first batching (PolicyWorker._local_logprobs) makes of ``rows``."""
+    """What a rank's longest-first batching (trainer.logprobs.local_logprobs) makes of ``rows``."""
     order = torch.argsort(lengths[rows], descending=True, stable=True)
     return [rows[order[i:i + bs]].tolist() for i in range(0, len(rows), bs)]
 

@@ -8,7 +8,8 @@ import torch
 
 from configs.schema import Config, config_from_dict
 from trainer.batch import Batch
-from trainer.policy import PolicyWorker, leave_one_out_advantages, lr_lambda
+from trainer.policy import PolicyWorker, lr_lambda
+from trainer.train_step import leave_one_out_advantages
 
 ROOT = Path(__file__).resolve().parents[2]
 
