@@ -133,7 +133,8 @@ def check_rollout_kv(cfg: Config, model_dir: Path) -> tuple[str, str]:
     the head size where vLLM would refuse it. The rollout actor checks again on its own node before its engine
     starts (a Ray cluster's nodes may differ from the driver's)."""
     from configs.schema import ConfigError
-    from rollout.engine import _read_model_config, resolve_kv_mode
+    from rollout.checkpoint import _read_model_config
+    from rollout.kv_cache import resolve_kv_mode
 
     vc = cfg.policy.generation.vllm_cfg
     try:

