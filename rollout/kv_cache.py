@@ -35,8 +35,8 @@ from collections.abc import Mapping
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8")
-KV_CACHE_IMPLS = ("auto", "native", "emulated")  # how kv_cache_dtype="fp8" is realised (module docstring)
+from fp8core.choices import KV_CACHE_DTYPES, KV_CACHE_IMPLS  # how kv_cache_dtype="fp8" is realised: docstring
+
 KV_MODES = ("bf16", "fp8-native", "fp8-emulated")
 CPU_FP8_KV_HEAD_MULTIPLE = 32  # vLLM 0.32 CPU FP8 KV cache: head_size % 32 == 0 (cpu_attn._get_attn_isa)
 KV_IMPL_KEY = "policy.generation.vllm_cfg.kv_cache_impl"
