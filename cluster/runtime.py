@@ -21,6 +21,7 @@ from pathlib import Path
 from cluster.auth import apply_auth, ray_auth
 from configs.schema import Config
 from process.env import cache_env
+from process.faults import TestHooks
 
 NAMESPACE = "fp8-grpo"
 
@@ -196,7 +197,7 @@ def pin_env(pins: list[list[int]] | None, i: int) -> dict[str, str]:
 
 
 def start_policy_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str, *, env: dict | None = None,
-                         scheduling=None) -> tuple[tuple[str, ...], tuple]:
+                         scheduling=None, hooks: TestHooks | None = None) -> tuple[tuple[str, ...], tuple]:
     """``cluster.policy_workers`` PolicyWorker actors (``fp8grpo-policy-{tag}`` for rank 0, ``-{tag}-{r}`` for the
     others), constructed concurrently: with more than one they join one process group (trainer/dp.py) whose
     rendezvous is a free port on rank 0's node (a zero-CPU task placed where rank 0 will run finds it).
@@ -218,7 +219,7 @@ def start_policy_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag:
         runtime_env={"env_vars": {**(env or {}), **pin_env(pins, r)}},
         max_concurrency=1, **place(r)).remote(
             str(model_dir), cfg, run_dir=str(run_dir),
-            dp=DPGroup(r, m, init, cfg.cluster.collective_timeout_s) if m > 1 else None) for r in range(m))
+            dp=DPGroup(r, m, init, cfg.cluster.collective_timeout_s) if m > 1 else None, hooks=hooks) for r in range(m))
     return names, handles
 
 
@@ -414,7 +415,8 @@ def _policy_method_name(method: Callable | str) -> str:
     return name
 
 
-def start_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str) -> Workers:
+def start_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str, *,
+                  hooks: TestHooks | None = None) -> Workers:
     """``model_dir``: a model directory, or a hub model pinned as ORG/NAME@<commit> that each worker resolves in its
     node's Hugging Face cache (storage/hub.py). Reserve the run's placement group (``cluster.placement_strategy``;
     fails with the bundles and the cluster's resources if Ray cannot place it), create the PolicyWorker and ``cluster.rollout_workers`` RolloutWorkers in
@@ -456,7 +458,8 @@ def start_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str) -
     def in_bundle(i: int):
         return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
 
-    policy_names, policies = start_policy_workers(cfg, model_dir, run_dir, tag, env=env_p, scheduling=in_bundle)
+    policy_names, policies = start_policy_workers(cfg, model_dir, run_dir, tag, env=env_p, scheduling=in_bundle,
+                                                  hooks=hooks)
     names = tuple(f"fp8grpo-rollout-{tag}-{k}" for k in range(n))
     pins = cpu_pins(cfg)
     rollouts = tuple(ray.remote(RolloutWorker).options(
@@ -466,7 +469,7 @@ def start_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag: str) -
         # refits it again, see flows/rl_step.py); calls in flight when it died fail instead of re-running
         max_restarts=cfg.cluster.rollout_max_restarts, max_task_retries=0,
         max_concurrency=1, scheduling_strategy=in_bundle(cfg.cluster.policy_workers + k)).remote(
-            str(model_dir), cfg, run_dir=str(run_dir)) for k in range(n))
+            str(model_dir), cfg, run_dir=str(run_dir), hooks=hooks) for k in range(n))
     workers = Workers(policy_names, names, policies, rollouts, pg)
     try:
         get([*(p.info.remote() for p in policies), *(r.stats.remote() for r in rollouts)])

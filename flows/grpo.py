@@ -269,7 +269,8 @@ def _start_workers(run: _Run) -> None:
 
     cfg, uri, run_id = run.cfg, run.uri, run.run_id
     t0 = time.perf_counter()
-    workers = run.workers = start_workers(cfg, _worker_model(run), run.run_dir, tag=uuid.uuid4().hex[:8])
+    workers = run.workers = start_workers(cfg, _worker_model(run), run.run_dir, tag=uuid.uuid4().hex[:8],
+                                          hooks=run.hooks)
     info = get(workers.policy.info.remote())
     r_stats, p_cpu = get([workers.rollout.stats.remote(), workers.policy.cpu.remote()])
     _say(f"workers up in {time.perf_counter() - t0:.1f}s: policy {info['num_params'] / 1e6:.2f}M params "

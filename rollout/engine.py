@@ -75,6 +75,7 @@ from storage.hub import local_model_dir
 
 if TYPE_CHECKING:
     from data.prompt import PromptFormat
+    from process.faults import TestHooks
 
 # decoder-layer projections (dense) and MoE experts' projections (``mlp.experts.<e>.<proj>``); not the MoE router
 _PROJ_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)(?:\.experts\.\d+)?\.\w+_proj\.weight$")
@@ -107,10 +108,11 @@ class _ProcessStateGuard:
 class RolloutWorker:
     """Owns one vLLM engine. See the module docstring for the return formats and the error contract."""
 
-    def __init__(self, model_dir: str | Path, cfg: Config, *, run_dir: str | Path):
+    def __init__(self, model_dir: str | Path, cfg: Config, *, run_dir: str | Path, hooks: TestHooks | None = None):
         """``cfg``: the run's recipe; the engine reads ``policy.generation.vllm_cfg``, its FP8 numerics
         (``cfg.rollout_fp8_spec()``, the trainer's spec in end-to-end FP8), ``grpo.seed`` and
-        ``calibration.kv_scales_period``."""
+        ``calibration.kv_scales_period``. ``hooks``: the run's TEST-ONLY hooks, built by the flow (None in a real
+        run)."""
         if not isinstance(cfg, Config):
             raise ValueError(f"cfg must be a configs.schema.Config, got {type(cfg).__name__}")
         from fp8core.cpu import apply_cpu_pin
@@ -149,10 +151,7 @@ class RolloutWorker:
         self._last_stats = {"tokens_per_s": None, "generated_tokens": 0, "wall_s": None}
         self._last_refit_s: float | None = None
         self._weights_version: int | None = None  # the policy step of the loaded weights (None: model_dir's)
-        # TEST-ONLY hooks (process/faults.py): None unless the recipe sets testing.* keys
-        from process.faults import TestHooks
-
-        self.hooks = TestHooks.from_config(cfg, self.run_dir)
+        self.hooks = hooks  # TEST-ONLY (process/faults.py): handed in by the flow, None in a real run
         # vllm_cfg.threads (the actor's OMP_NUM_THREADS), at most one per CPU this process may use; the engine keeps
         # the count it starts with (_ProcessStateGuard)
         self.threads = usable_threads(torch.get_num_threads())

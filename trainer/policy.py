@@ -40,6 +40,7 @@ import torch
 
 from configs.schema import Config
 from fp8core.cpu import usable_threads
+from process.faults import TestHooks
 from storage.hub import local_model_dir
 from trainer.batch import Batch, use_packed_attention
 from trainer.calibration import calibrate_clip, calibrate_kv
@@ -74,11 +75,19 @@ def lr_lambda(step: int, *, warmup_steps: int, decay: str, total_steps: int, min
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
+def _has_dropout(model) -> bool:
+    """Whether any module or the config drops activations in training (then a training forward is not the policy's
+    deterministic forward)."""
+    return any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 for mod in model.modules()) or any(
+        float(getattr(model.config, k, 0.0) or 0.0) > 0 for k in
+        ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"))
+
+
 class PolicyWorker:
     """See the module docstring. ``model_dir``: HF model (safetensors + config + tokenizer)."""
 
     def __init__(self, model_dir: str | Path, cfg: Config, *, run_dir: str | Path | None = None,
-                 dp: DPGroup | None = None):
+                 dp: DPGroup | None = None, hooks: TestHooks | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from fp8core.rl.calibrated_clipping import CalibratedClipping
@@ -140,13 +149,7 @@ class PolicyWorker:
                 shard_model(self.ref_model, self.device)
             if self.bf16_emulation is not None:  # no rounded copy of a gathered weight (trainer/dp.py)
                 self.bf16_emulation.cache_weights = False
-        o = p.optimizer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay)
-        s = p.scheduler
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda k: lr_lambda(
-            k, warmup_steps=s.warmup_steps, decay=s.decay, total_steps=cfg.grpo.max_num_steps,
-            min_lr_ratio=s.min_lr_ratio))
+        self.optimizer, self.scheduler = self._optimizer()
         lf, cal = cfg.loss_fn, cfg.calibration
         self.clip_low, self.clip_high = 1.0 - lf.ratio_clip_min, 1.0 + lf.ratio_clip_max
         self.cc = CalibratedClipping(cfg.calibrated_clipping_config()) if cal.calibrated_clipping else None
@@ -157,16 +160,23 @@ class PolicyWorker:
         self._kv_rounding_paused = False
         # old logprobs of the first update's rows come from its training forwards (train_step) unless the model
         # has dropout, where a training forward is not the policy's deterministic forward
-        self.reuse_first_forward = not any(
-            isinstance(mod, torch.nn.Dropout) and mod.p > 0 for mod in self.model.modules()) and not any(
-            float(getattr(self.model.config, k, 0.0) or 0.0) > 0 for k in
-            ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop"))
+        self.reuse_first_forward = not _has_dropout(self.model)
         self.skipped_updates = 0
         self.step = 0  # RL steps completed
-        # TEST-ONLY hooks (process/faults.py): None unless the recipe sets testing.* keys or a test installs them
-        from process.faults import TestHooks
+        # TEST-ONLY hooks (process/faults.py): handed in by the flow (testing.* keys) or installed by a test; None in
+        # a real run
+        self.hooks = hooks
 
-        self.hooks = TestHooks.from_config(cfg, self.run_dir)
+    def _optimizer(self):
+        """AdamW over the (sharded) masters and its LR schedule (``policy.optimizer``, ``policy.scheduler``)."""
+        p = self.cfg.policy
+        o, s = p.optimizer, p.scheduler
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                      weight_decay=o.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_lambda(
+            k, warmup_steps=s.warmup_steps, decay=s.decay, total_steps=self.cfg.grpo.max_num_steps,
+            min_lr_ratio=s.min_lr_ratio))
+        return optimizer, scheduler
 
     # ------------------------------------------------------------------------------------------------ basic info
     def info(self) -> dict:
