@@ -86,7 +86,7 @@ BF16_RECIPE, FP8_RECIPE, FP8_KV_RECIPE = "configs/tiny_bf16.yaml", "configs/tiny
 # clip is the only importance-sampling correction
 ROLLOUT_OLD = ("loss_fn.old_logprobs=rollout", "loss_fn.use_importance_sampling_correction=false")
 KEYS = ("clip/lower_neg_adv_frac", "clip/upper_pos_adv_frac", "policy/entropy", "calib/ratio_error_amplification",
-        "clip/bound_low", "clip/bound_high", "time/clip_calibration_s", "time/step_s", "calib/step",
+        "clip/bound_low", "clip/bound_high", "calib/bound_low", "calib/bound_high", "time/clip_calibration_s", "time/step_s", "calib/step",
         "calib/bf16_lower_neg_frac", "calib/fp8_lower_neg_frac_at_ref", "calib/fp8_lower_neg_frac_after",
         "async/trajectory_age_mean", "mismatch/token_mult_prob_error", "is/frac_truncated", "is/weight_mean")
 # asynchronous runs (grpo.async_grpo): the behaviour policy's distance and what the importance weight does with it
@@ -178,6 +178,16 @@ def _first_last(h: dict[int, float]) -> tuple[float, float]:
     return (h[min(h)], h[max(h)]) if h else (float("nan"), float("nan"))
 
 
+def _bound_at_end(a: ArmRuns, seed: int, side: str) -> float:
+    """The clip bound a run ends with: its last calibration's (``calib/bound_*``, for the steps after it) when
+    Calibrated Clipping ran at or after the last step's bounds, else the bound its last step used
+    (``clip/bound_*``)."""
+    used, calibrated = a.hist[f"clip/bound_{side}"][seed], a.hist[f"calib/bound_{side}"][seed]
+    if calibrated and (not used or max(calibrated) >= max(used)):
+        return calibrated[max(calibrated)]
+    return _first_last(used)[1]
+
+
 def _shadow(a: ArmRuns) -> dict:
     """The shadow pass's cost per seed -> t intervals over seeds: calibrations per run, seconds per calibration,
     share of the summed step time, share of the run's wall time."""
@@ -217,8 +227,8 @@ def rows(runs: list[ArmRuns], *, n_boot: int = 2000) -> list[dict]:
             "over_clip_ratio": seed_t_interval([
                 (sum(f.values()) / sum(b.values())) if b and sum(b.values()) > 0 else float("nan")
                 for b, f in zip(a.hist[PAIRED[0]], a.hist[PAIRED[1]], strict=True)]) if cc else None,
-            "bound_low_last": mean(_first_last(h)[1] for h in a.hist["clip/bound_low"]),
-            "bound_high_last": mean(_first_last(h)[1] for h in a.hist["clip/bound_high"]),
+            "bound_low_last": mean(_bound_at_end(a, s, "low") for s in range(len(a.seeds))),
+            "bound_high_last": mean(_bound_at_end(a, s, "high") for s in range(len(a.seeds))),
             "step_s": metric_summary(a, "time/step_s"),
             "async": {k: metric_summary(a, k) for k in ASYNC} if any(a.hist["async/trajectory_age_mean"]) and any(
                 v > 0 for h in a.hist["async/trajectory_age_mean"] for v in h.values()) else None,

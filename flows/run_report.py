@@ -13,7 +13,7 @@ def progress_line(step: int, total: int, m: dict, val: float | None) -> str:
     acc = f"{val:.3f}" if val is not None else "  -  "
     return (f"step {step:>3}/{total} | reward {m.get('reward/mean', float('nan')):.3f} | val_acc {acc} | "
             f"mismatch {m.get('mismatch/token_mult_prob_error', float('nan')):.4f} | "
-            f"clip [{m.get('clip/bound_low', 0):.2f},{m.get('clip/bound_high', 0):.2f}] | "
+            f"clip [{_bound(m, 'clip/bound_low')},{_bound(m, 'clip/bound_high')}] | "
             f"step {m.get('time/step_s', 0):5.1f}s (rollout {m.get('time/rollout_s', 0):.1f} "
             f"train {m.get('time/train_s', 0):.1f} calib {m.get('time/calibrate_s', 0):.1f})")
 
@@ -118,3 +118,9 @@ def final_lines(s: dict) -> str:
     if s.get("checkpoint"):
         lines.append(f"checkpoint: {s['checkpoint']}")
     return "\n".join(lines)
+
+
+def _bound(m: dict, key: str) -> str:
+    """A clip bound of the step as the progress line shows it; ``-`` for a step that trained nothing (every group
+    filtered by dynamic sampling: no loss, no bound used)."""
+    return f"{m[key]:.2f}" if key in m else " -  "

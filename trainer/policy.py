@@ -273,10 +273,8 @@ class PolicyWorker:
         self._moe_measure = False
         gather_rank_parts(self, st)
         m = step_metrics(self, st, lr_used)
-        if st.calibrate:
+        if st.calibrate:  # the bounds of the next steps (calib/bound_*); clip/bound_* stay the ones this step used
             calibrate_clip(self, st, m)
-        lo, hi = self.bounds()
-        m["clip/bound_low"], m["clip/bound_high"] = float(lo), float(hi)
         wall = time.perf_counter() - t0
         ntok = float(st.b.attn.sum())
         m["time/train_logprob_s"] = st.t_old

@@ -319,7 +319,7 @@ def step_metrics(worker, st: StepState, lr_used: float) -> dict[str, float]:
     m["train/clip_metric_updates"] = float(len({u for u, *_ in clip_parts if u > 0}) or
                                            len({u for u, *_ in clip_parts}))
     m.update({k.replace("clip/", "clip_all_updates/"): v for k, v in
-              pool_clip_metrics([(lm, a, mk) for _, lm, a, mk in clip_parts]).items()})
+              pool_clip_metrics([(lm, a, mk) for _, lm, a, mk in clip_parts]).items() if "/bound_" not in k})
     m["train/dynamic_sampling_filtered_frac"] = float((~st.keep).float().mean())  # rows = groups (whole groups)
     m["train/samples_in_loss"] = float(len(st.trained))
     m["train/grad_norm"] = sum(st.grad_norms) / len(st.grad_norms) if st.grad_norms else float("nan")

@@ -171,7 +171,8 @@ CLIP_FRACTIONS = {"clip/lower_neg_adv_frac": "neg", "clip/lower_pos_adv_frac": "
 def pool_clip_metrics(parts) -> dict[str, float]:
     """Pool ``clip_metrics`` results of micro-batches: ``parts`` is an iterable of ``(metrics, advantages, mask)``
     (advantages ``[B]`` or ``[B, T]`` as given to ``clip_metrics``). Returns the fractions and ratio statistics of the
-    union (definitions in the module docstring); an empty union gives 0.0 for each."""
+    union (definitions in the module docstring; an empty union gives 0.0 for each) and the clip bounds the parts
+    used (``clip/bound_low``, ``clip/bound_high``: one pair, a ValueError if they differ; absent without parts)."""
     num = {k: 0.0 for k in CLIP_FRACTIONS}
     den = {"neg": 0.0, "pos": 0.0, "valid": 0.0}
     rmin, rmax, rsum = math.inf, -math.inf, 0.0
@@ -192,6 +193,11 @@ def pool_clip_metrics(parts) -> dict[str, float]:
     empty = den["valid"] == 0
     out.update({"clip/ratio_min": 0.0 if empty else rmin, "clip/ratio_max": 0.0 if empty else rmax,
                 "clip/ratio_mean": 0.0 if empty else rsum / den["valid"]})
+    bounds = {(m["clip/bound_low"], m["clip/bound_high"]) for m, _, _ in parts}
+    if len(bounds) > 1:
+        raise ValueError(f"pool_clip_metrics: micro-batches clipped with different bounds {sorted(bounds)}")
+    if bounds:  # the bounds these micro-batches' loss used (one pair per step)
+        out["clip/bound_low"], out["clip/bound_high"] = bounds.pop()
     return out
 
 

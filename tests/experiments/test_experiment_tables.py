@@ -193,6 +193,9 @@ def test_paper_study_tables_and_shadow_cost(tmp_path):
             m["calib/bf16_lower_neg_frac"] = dict.fromkeys(cal_steps, 0.01)
             m["calib/fp8_lower_neg_frac_at_ref"] = {s: 0.02 + 0.01 * (s % 4 == 0) for s in cal_steps}
             m["calib/fp8_lower_neg_frac_after"] = dict.fromkeys(cal_steps, 0.011)
+            # each calibration's bounds, for the steps after it (the steps log the bounds they used: 0.8 / 1.28)
+            m["calib/bound_low"] = {s: 0.8 - 0.01 * s for s in cal_steps}
+            m["calib/bound_high"] = {s: 1.28 + 0.1 * s for s in cal_steps}
         return m
 
     val = {0: [0, 0, 0, 0], 6: [1, 1, 0, 0]}
@@ -216,6 +219,9 @@ def test_paper_study_tables_and_shadow_cost(tmp_path):
     assert cc["shadow"]["share_of_wall"]["value"] == pytest.approx(1.5 / 40.0)
     assert k1["shadow"]["calibrations"]["value"] == 6 and k1["shadow"]["share_of_wall"]["value"] == pytest.approx(0.1)
     assert cc["entropy_first"] == pytest.approx(0.5) and cc["entropy_last"] == pytest.approx(0.25)
+    # the bounds a run ends with: the last calibration's (step 6) where it ran last; the used ones without CC
+    assert (cc["bound_low_last"], cc["bound_high_last"]) == pytest.approx((0.74, 1.88))
+    assert (rows["bf16"]["bound_low_last"], rows["bf16"]["bound_high_last"]) == pytest.approx((0.8, 1.28))
     # paired over-clipping (cc: steps 2, 4, 6 -> FP8 at the reference L 0.02, 0.03, 0.02 vs BF16 0.01 each)
     assert cc["paired"]["calib/fp8_lower_neg_frac_at_ref"]["value"] == pytest.approx(0.07 / 3)
     assert cc["over_clip_ratio"]["value"] == pytest.approx(0.07 / 0.03)

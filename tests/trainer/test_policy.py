@@ -125,7 +125,9 @@ def test_fp8_policy_calibrations_and_nonfinite_skip(model_dir):
     assert m["calib/prob_abs_err"] > 0 and 0 < m["calib/ratio_error_amplification"] < float("inf")
     lo, hi = w.bounds()  # smoothing caps from calibration.clip_max_delta_{low,high}
     assert abs(lo - 0.6) <= 0.05 + 1e-9 and abs(hi - 1.8) <= 0.1 + 1e-9
-    assert (m["clip/bound_low"], m["clip/bound_high"]) == w.bounds()
+    # the step logs the bounds its loss used; the calibration's, for the next steps, under calib/
+    assert (m["clip/bound_low"], m["clip/bound_high"]) == (0.6, 1.8)
+    assert (m["calib/bound_low"], m["calib/bound_high"]) == w.bounds()
     scales = w.calibrate_kv_scales(ro, max_samples=4)
     assert len(scales["k_scale"]) == len(scales["v_scale"]) == 2 and min(scales["k_scale"]) > 0
     before = {k: v.clone() for k, v in w.model.state_dict().items()}

@@ -182,3 +182,17 @@ def test_mismatch_tail_metrics_single_outlier_token():
     m = mismatch_metrics(train, roll, mask)
     assert m["mismatch/token_mult_prob_error"] == 1.0 and m["mismatch/max_abs_logp_diff"] == 0.0
     assert m["mismatch/excess_share_abs_logp_diff_gt_1"] == 0.0
+
+
+def test_pooled_clip_metrics_carry_the_bounds_the_micro_batches_used():
+    from fp8core.rl.metrics import clip_metrics, pool_clip_metrics
+
+    g = torch.Generator().manual_seed(0)
+    ratio, adv, mask = torch.exp(0.3 * torch.randn(4, 6, generator=g)), torch.randn(4, generator=g), torch.ones(4, 6)
+    part = (clip_metrics(ratio, adv, mask, clip_low=0.7, clip_high=1.5), adv, mask)
+    pooled = pool_clip_metrics([part, part])
+    assert (pooled["clip/bound_low"], pooled["clip/bound_high"]) == (0.7, 1.5)
+    assert "clip/bound_low" not in pool_clip_metrics([])  # a step that trained nothing used no bounds
+    other = (clip_metrics(ratio, adv, mask, clip_low=0.8, clip_high=1.5), adv, mask)
+    with pytest.raises(ValueError, match="different bounds"):
+        pool_clip_metrics([part, other])
