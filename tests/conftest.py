@@ -128,6 +128,12 @@ _session: dict = {}
 
 
 def pytest_sessionstart(session):
+    # The C++ kernels of this process's CPU kind, loaded before any test: a process holds one build (its torch ops
+    # register once), and a test that applies FP8GRPO_CPU_CAP in-process (the flow's load-time checks under the cap)
+    # must not decide for the tests after it which build that is. Tests of a capped build run it in a subprocess.
+    from fp8core import kernels
+
+    kernels.load()
     path = session.config.getoption("--write-durations")
     if path and not hasattr(session.config, "workerinput"):
         from tools.results import stamp
