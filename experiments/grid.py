@@ -209,14 +209,15 @@ def provenance(grid: Grid) -> list[str]:
     """One ``- ...`` line per invocation that trained the grid's finished runs (commit, date, CPU and command, from
     each run's marker), naming its runs: a results file written by a resumed grid states where every run came from,
     not only its last invocation. Runs trained before markers carried this say so."""
+    from tools.results import commit_text
+
     groups: dict[str, list[str]] = {}
     for arm, seed in grid.cells():
         if not grid.finished(arm, seed):
             continue
         tb = json.loads((grid.run_dir(arm, seed) / grid.marker_name).read_text()).get("trained_by")
         if tb:
-            dirty = f" (uncommitted changes in {', '.join(tb['dirty_files'])})" if tb.get("dirty_files") else ""
-            key = (f"- runs trained at commit `{tb['commit']}`{dirty}, {tb['date']}, CPU {tb['cpu_model']} (kind "
+            key = (f"- runs trained at commit {commit_text(tb)}, {tb['date']}, CPU {tb['cpu_model']} (kind "
                    f"`{tb['cpu_kind']}`), by `{tb['command']}`")
         else:
             key = "- runs trained before grid runs recorded their origin (commit, date and CPU not recorded)"

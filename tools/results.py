@@ -100,14 +100,20 @@ def _origin(repo: Path) -> dict:
             "cpu_kind": caps.kind, "cpu_model": caps.model}
 
 
+def commit_text(stamp: dict) -> str:
+    """The backquoted hash (``+dirty`` for a dirty tree) and, for a dirty tree, `` (uncommitted changes in <files>)``:
+    the code a stamp (or a grid run's origin) ran."""
+    dirty = stamp.get("dirty_files") or []
+    return f"`{stamp['commit']}`" + (f" (uncommitted changes in {', '.join(dirty)})" if dirty else "")
+
+
 def format_result(title: str, body_markdown: str, stamp: dict, *, note: str = "",
                   details: Sequence[str] = ()) -> str:
     """The whole file (module docstring's layout); ``details``: further ``- ...`` lines after the stamp's."""
-    dirty = f" (uncommitted changes in {', '.join(stamp['dirty_files'])})" if stamp["dirty_files"] else ""
     lines = [f"# {title}", "",
              f"Written by `{stamp['writer']}`; the next run of that command overwrites this file.", "",
              *([note, ""] if note else []),
-             f"- commit: `{stamp['commit']}`{dirty}", f"- date: {stamp['date']}",
+             f"- commit: {commit_text(stamp)}", f"- date: {stamp['date']}",
              f"- CPU: {stamp['cpu_model']} (kind `{stamp['cpu_kind']}`)", f"- command: `{stamp['command']}`",
              *details, "", body_markdown.strip("\n")]
     return "\n".join(lines) + "\n"
