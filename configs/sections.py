@@ -345,11 +345,14 @@ class TestingCfg:
     ``fault_kill_rollout_at_step`` = s > 0: the first rollout engine SIGKILLs its own process at the end of step s's
     generation, before it returns (once per run dir); ``fault_kill_policy_at_step`` = s > 0: the last trainer rank
     SIGKILLs itself at the start of step s's update (once per run dir, so a resumed run passes it) -- the worker-loss
-    tests of tests/ops/test_faults.py."""
+    tests of tests/ops/test_faults.py. ``fault_skip_refit_at_step`` = s > 0: the rollout engines ignore step s's refit
+    (they keep the weights and version they hold), an engine that silently missed a refit; the step's rollout must
+    refuse it (the end-to-end tests' negative control)."""
 
     fault_val_accuracy_drop: float = 0.0
     fault_kill_rollout_at_step: int = 0
     fault_kill_policy_at_step: int = 0
+    fault_skip_refit_at_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -425,6 +428,9 @@ class BootstrapCfg:
 
     assets_dir: str = "runs/assets"  # relative paths are relative to the working directory (shared across runs)
     sft_steps: int | None = None  # None: embedded.bootstrap.SFTConfig's default
+    # The warm start's seed: null = grpo.seed (each RL seed trains its own SFT); an integer = one warm start shared
+    # by runs of any grpo.seed (the experiment grids' default, experiments/grid.py: seeds then differ in RL only)
+    sft_seed: int | None = None
     model: Literal["dense", "moe"] = "dense"  # the embedded tiny Qwen3, or its Mixture-of-Experts twin (8 experts, top-2)
     hidden_size: int | None = None
     num_hidden_layers: int | None = None
@@ -434,6 +440,10 @@ class BootstrapCfg:
     num_experts: int | None = None  # MoE keys: bootstrap.model: moe only
     num_experts_per_tok: int | None = None
     moe_intermediate_size: int | None = None
+
+    def warm_start_seed(self, rl_seed: int) -> int:
+        """The SFT warm start's seed of a run whose ``grpo.seed`` is ``rl_seed``."""
+        return rl_seed if self.sft_seed is None else self.sft_seed
 
     def model_size(self) -> dict[str, int]:
         """The size keys that are set, by TinyModelSpec field name (embedded.bootstrap.model_spec applies them);

@@ -82,11 +82,11 @@ def fp8_overrides(recipe: str | Path, fp8: Mapping[str, object], overrides: Sequ
 
 def warm_start(cfg: Config) -> Path:
     """The pipeline's SFT warm start of ``cfg`` (flows/bootstrap.py's assets: ``bootstrap.*``, ``data.task``,
-    ``grpo.seed``), built first if missing."""
+    ``grpo.seed`` or ``bootstrap.sft_seed``), built first if missing."""
     from embedded.bootstrap import default_sft, ensure_default_assets, model_spec
 
     b = cfg.bootstrap
-    sft = default_sft(cfg.data.task, seed=cfg.grpo.seed, steps=b.sft_steps)
+    sft = default_sft(cfg.data.task, seed=b.warm_start_seed(cfg.grpo.seed), steps=b.sft_steps)
     return ensure_default_assets(Path(b.assets_dir), task=cfg.data.task, sft=sft, model=b.model,
                                  spec=model_spec(b.model, b.model_size()))["model_dir"]
 

@@ -5,11 +5,17 @@ An **arm** is a recipe file plus overrides (``Arm("fp8-rollout-no-is", "configs/
 ("loss_fn.use_importance_sampling_correction=false",))``); its runs live in ``<out>/<arm>-seed<k>``. The experiment's
 common overrides (``key=value`` applied to every run) come after the arm's, and ``grpo.seed`` = the seed after both.
 
+One warm start for every seed (``Grid.warm_start_seed``, default ``WARM_START_SEED``): each run starts with
+``bootstrap.sft_seed=<k>``, so the seeds of a grid differ in their RL only (sampling, prompt order), not in the
+SFT model RL starts from -- with a warm start per seed, the BF16 reference's per-seed gains spread more than the arms
+differ (docs/evaluation.md). ``warm_start_seed=None``, or ``bootstrap.sft_seed=null`` among the common overrides
+(later overrides win), gives each RL seed its own warm start.
+
 Resumable: after a run finishes, a marker (``<run dir>/<marker name>``: recipe, seed, the arm's + common overrides,
 the MLflow run id) is written; a rerun skips every run whose marker matches and whose ``summary.json`` exists, and
 reuses the parent run recorded in ``<out>/parent.json`` when the settings and store are the same. Runs go in
-seed-major order: every arm of a seed right after that seed's warm start is built (the SFT is per seed), so an
-interrupted grid leaves complete seeds -- paired across arms -- rather than a complete arm.
+seed-major order: every arm of a seed, then the next seed (with a warm start per seed, right after it is built), so
+an interrupted grid leaves complete seeds -- paired across arms -- rather than a complete arm.
 
 Statistics (fp8core.stats): accuracies come from the per-prompt validation files of the runs (``val/main/step_*.jsonl``)
 with a bootstrap over prompts, the seeds as strata (``seed_mean``), and arm-vs-reference differences are paired on the
@@ -29,6 +35,7 @@ from pathlib import Path
 
 from configs.schema import load_config
 
+WARM_START_SEED = 0  # the SFT warm start every seed of a grid shares (bootstrap.sft_seed), unless told otherwise
 
 @dataclass(frozen=True)
 class Arm:
@@ -52,7 +59,8 @@ class Arm:
 class Grid:
     """A grid of ``arms`` x ``seeds`` under ``root`` with ``common`` overrides; ``marker_name``: the per-run file that
     marks a finished run; ``kind``: the parent run's name prefix and tag (``<kind>.seed`` / ``<kind>.arm`` on the
-    children); ``settings``: what identifies the grid in ``parent.json`` (default: arms, seeds, common overrides)."""
+    children); ``settings``: what identifies the grid in ``parent.json`` (default: arms, seeds, common overrides);
+    ``warm_start_seed``: the ``bootstrap.sft_seed`` of every run (None: each seed its own warm start)."""
 
     arms: tuple[Arm, ...]
     seeds: tuple[int, ...]
@@ -62,6 +70,7 @@ class Grid:
     marker_name: str = "grid.json"
     note: str = ""
     settings: dict = field(default_factory=dict)
+    warm_start_seed: int | None = WARM_START_SEED
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arms", tuple(self.arms))
@@ -78,8 +87,10 @@ class Grid:
             raise ValueError(f"arms: duplicate names {dup}")
 
     def overrides(self, arm: Arm) -> list[str]:
-        """The overrides of ``arm``'s runs (without the seed): the arm's, then the grid's common ones."""
-        return [*arm.overrides, *self.common]
+        """The overrides of ``arm``'s runs (without the seed): the shared warm start's seed, the arm's, then the grid's
+        common ones (a later override wins)."""
+        shared = [] if self.warm_start_seed is None else [f"bootstrap.sft_seed={int(self.warm_start_seed)}"]
+        return [*shared, *arm.overrides, *self.common]
 
     def marker(self, arm: Arm, seed: int) -> dict:
         return {"recipe": arm.recipe, "seed": int(seed), "overrides": self.overrides(arm)}

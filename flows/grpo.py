@@ -198,7 +198,8 @@ def _assets_and_data(run: _Run) -> None:
     train_path = hub["data.train_path"].pinned if "data.train_path" in hub else cfg.data.train_path
     val_path = hub["data.validation_path"].pinned if "data.validation_path" in hub else cfg.data.validation_path
     if EMBEDDED in (model_dir, train_path, val_path):
-        assets = bootstrap_flow(cfg.bootstrap.assets_dir, cfg.bootstrap.sft_steps, cfg.grpo.seed, cfg.data.task,
+        assets = bootstrap_flow(cfg.bootstrap.assets_dir, cfg.bootstrap.sft_steps,
+                                cfg.bootstrap.warm_start_seed(cfg.grpo.seed), cfg.data.task,
                                 cfg.bootstrap.model, cfg.bootstrap.model_size())
         model_dir = assets["model_dir"] if model_dir == EMBEDDED else model_dir
         train_path = assets["train"] if train_path == EMBEDDED else train_path

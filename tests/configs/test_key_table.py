@@ -145,6 +145,7 @@ READERS = {
     "testing.fault_val_accuracy_drop": ("process/faults.py", "val_accuracy_drop=t.fault_val_accuracy_drop"),  # TEST-ONLY
     "testing.fault_kill_rollout_at_step": ("process/faults.py", "kill_rollout_at_step=t.fault_kill_rollout_at_step"),  # TEST-ONLY
     "testing.fault_kill_policy_at_step": ("process/faults.py", "kill_policy_at_step=t.fault_kill_policy_at_step"),  # TEST-ONLY
+    "testing.fault_skip_refit_at_step": ("process/faults.py", "skip_refit_at_step=t.fault_skip_refit_at_step"),  # TEST-ONLY
     "ray.address": ("cluster/runtime.py", "cfg.ray.address"),
     "ray.num_cpus": ("cluster/runtime.py", "cfg.ray.num_cpus"),
     "ray.auth_token_path": ("cluster/auth.py", "cfg.ray.auth_token_path"),
@@ -162,6 +163,7 @@ READERS = {
     "cluster.placement_strategy": ("cluster/runtime.py", "cfg.cluster.placement_strategy"),
     "bootstrap.assets_dir": ("flows/grpo.py", "cfg.bootstrap.assets_dir"),
     "bootstrap.sft_steps": ("flows/grpo.py", "cfg.bootstrap.sft_steps"),
+    "bootstrap.sft_seed": ("configs/sections.py", "rl_seed if self.sft_seed is None else self.sft_seed"),
     "bootstrap.model": ("flows/grpo.py", "cfg.bootstrap.model"),
     # the size keys reach the flow as BootstrapCfg.model_size() (flows/grpo.py), applied by embedded.bootstrap.model_spec
     "bootstrap.hidden_size": ("configs/sections.py", "getattr(self, k) for k in TINY_MODEL_SIZE"),
@@ -198,6 +200,7 @@ REJECTED = [
     ("cluster.rollout_max_restarts=-1", "cluster.rollout_max_restarts"),
     ("testing.fault_kill_rollout_at_step=99", "testing.fault_kill_rollout_at_step"),
     ("testing.fault_kill_policy_at_step=-1", "testing.fault_kill_policy_at_step"),
+    ("testing.fault_skip_refit_at_step=99", "testing.fault_skip_refit_at_step"),
     ("cluster.placement_strategy=RANDOM", "cluster.placement_strategy"),
     ("ray.rollout_worker.num_cpus=0", "ray.rollout_worker.num_cpus"),
     ("grpo.async_grpo.max_trajectory_age_steps=0", "grpo.async_grpo.max_trajectory_age_steps"),

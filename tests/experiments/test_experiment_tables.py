@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from configs.schema import load_config
 from experiments.grid import Arm, Grid, seed_mean, seed_t_interval
 
 
@@ -37,7 +38,13 @@ def test_grid_markers_order_and_validation(tmp_path):
     a, b = Arm("x", "configs/tiny_bf16.yaml"), Arm("y", "configs/tiny_fp8_e2e.yaml", ("grpo.max_num_steps=3",))
     g = Grid((a, b), (0, 1), tmp_path, common=("grpo.val_period=1",))
     assert [(arm.name, s) for arm, s in g.cells()] == [("x", 0), ("y", 0), ("x", 1), ("y", 1)]  # seed-major
-    assert g.overrides(b) == ["grpo.max_num_steps=3", "grpo.val_period=1"]
+    # every seed on one warm start (bootstrap.sft_seed) unless the grid says otherwise; later overrides win
+    assert g.overrides(b) == ["bootstrap.sft_seed=0", "grpo.max_num_steps=3", "grpo.val_period=1"]
+    assert Grid((a,), (0,), tmp_path, warm_start_seed=None).overrides(a) == []
+    cfgs = [load_config(a.recipe, [*g.overrides(a), f"grpo.seed={s}"]) for s in (0, 1)]
+    assert [c.bootstrap.warm_start_seed(c.grpo.seed) for c in cfgs] == [0, 0]
+    own = [load_config(a.recipe, [*g.overrides(a), "bootstrap.sft_seed=null", f"grpo.seed={s}"]) for s in (0, 1)]
+    assert [c.bootstrap.warm_start_seed(c.grpo.seed) for c in own] == [0, 1]
     assert not g.finished(a, 0)
     d = g.run_dir(a, 0)
     d.mkdir()
