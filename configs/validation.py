@@ -299,7 +299,7 @@ def _validate_evaluation(c):
            f"must be >= 100 for a percentile interval, got {ev.bootstrap_samples}")
     d = c.testing.fault_val_accuracy_drop
     _check(0.0 <= d < 1.0, "testing.fault_val_accuracy_drop", f"TEST-ONLY fault: must be in [0, 1), got {d}")
-    for key in ("fault_kill_rollout_at_step", "fault_kill_policy_at_step"):
+    for key in ("fault_kill_rollout_at_step", "fault_kill_policy_at_step", "fault_skip_refit_at_step"):
         s = getattr(c.testing, key)
         _check(0 <= s <= c.grpo.max_num_steps, f"testing.{key}",
                f"TEST-ONLY fault: a step in [1, grpo.max_num_steps={c.grpo.max_num_steps}] (0 = off), got {s}")

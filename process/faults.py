@@ -12,6 +12,9 @@ hook when theirs is not None.
   engine after generating, before returning; the trainer at the start of its update).
 * Validation degraded by ``testing.fault_val_accuracy_drop`` (:meth:`TestHooks.degraded`): the nightly
   regression's tests show that its verdict fails a degraded FP8 run.
+* A skipped refit (``testing.fault_skip_refit_at_step``, :meth:`TestHooks.skip_refit`): the engines keep their
+  weights at that step's refit, as an engine that silently missed one would; the end-to-end tests' negative control
+  (the step's rollout must refuse to run on stale weights).
 * Gradient recording (:attr:`TestHooks.record_gradients`): the data-parallel equivalence tests install hooks on the
   trainer actors and compare each update's full gradients between 1 and M workers.
 """
@@ -46,8 +49,9 @@ class TestHooks:
     __test__ = False  # not a pytest class
 
     def __init__(self, *, kill_rollout_at_step: int = 0, kill_policy_at_step: int = 0, val_accuracy_drop: float = 0.0,
-                 marker_dir: str = "", record_gradients: bool = False):
+                 marker_dir: str = "", record_gradients: bool = False, skip_refit_at_step: int = 0):
         self.kill_rollout_at_step = kill_rollout_at_step
+        self.skip_refit_at_step = skip_refit_at_step
         self.kill_policy_at_step = kill_policy_at_step
         self.val_accuracy_drop = val_accuracy_drop
         self.marker_dir = str(marker_dir)
@@ -59,10 +63,12 @@ class TestHooks:
     def from_config(cls, cfg, run_dir: str | Path | None) -> TestHooks | None:
         """The hooks the recipe's ``testing.*`` keys ask for, or None (every key at its default: a real run)."""
         t = cfg.testing
-        if not (t.fault_kill_rollout_at_step or t.fault_kill_policy_at_step or t.fault_val_accuracy_drop):
+        if not (t.fault_kill_rollout_at_step or t.fault_kill_policy_at_step or t.fault_val_accuracy_drop
+                or t.fault_skip_refit_at_step):
             return None
         return cls(kill_rollout_at_step=t.fault_kill_rollout_at_step, kill_policy_at_step=t.fault_kill_policy_at_step,
-                   val_accuracy_drop=t.fault_val_accuracy_drop, marker_dir=str(run_dir or ""))
+                   val_accuracy_drop=t.fault_val_accuracy_drop, marker_dir=str(run_dir or ""),
+                   skip_refit_at_step=t.fault_skip_refit_at_step)
 
     # -- startup -----------------------------------------------------------------------------------------------------
     def announcements(self) -> list[str]:
@@ -71,6 +77,10 @@ class TestHooks:
                "handling; never use it in a real run)"
                for key, at in (("fault_kill_rollout_at_step", self.kill_rollout_at_step),
                                ("fault_kill_policy_at_step", self.kill_policy_at_step)) if at]
+        if self.skip_refit_at_step:
+            out.append(f"TEST-ONLY FAULT: testing.fault_skip_refit_at_step={self.skip_refit_at_step}: the rollout "
+                       "engines will ignore that step's refit (a test of the missed-refit guard; never use it in a "
+                       "real run)")
         if self.val_accuracy_drop:
             out.append(f"TEST-ONLY FAULT: testing.fault_val_accuracy_drop={self.val_accuracy_drop}: validation "
                        "accuracy is deliberately degraded (a test of the regression verdict; never use it in a real "
@@ -92,6 +102,12 @@ class TestHooks:
         """Called by the worker where a crash is to be simulated; dies if armed."""
         if self._armed:
             kill_self()
+
+    # -- refits -----------------------------------------------------------------------------------------------------
+    def skip_refit(self, weights_version: int | None) -> bool:
+        """The refit of these weights is to be ignored: they are the policy of step ``weights_version``, loaded at
+        the refit of step ``weights_version + 1`` (the step of ``testing.fault_skip_refit_at_step``)."""
+        return self.skip_refit_at_step >= 1 and weights_version == self.skip_refit_at_step - 1
 
     # -- validation --------------------------------------------------------------------------------------------------
     def degraded(self, correct: list[bool], seed: int) -> set[int]:

@@ -322,7 +322,7 @@ class RolloutWorker:
                 n_gen += len(toks)
             results.append({"prompt_index": i, "prompt_token_ids": list(out.prompt_token_ids), "samples": samples})
         self._last_stats = {"tokens_per_s": n_gen / wall if wall > 0 else None, "generated_tokens": n_gen,
-                            "wall_s": wall, "routing_s": None}
+                            "wall_s": wall, "routing_s": None, "weights_version": self._weights_version}
         if routing and self.is_moe:
             t1 = time.perf_counter()
             for r in results:
@@ -373,6 +373,8 @@ class RolloutWorker:
                                        precision=self.vllm.precision)
         scales = check_kv_scales(kv_scales, self.num_layers) if kv_scales is not None else self._kv_scales
         check_kv_version(scales, weights_version, self.kv_scales_max_lag)
+        if self.hooks is not None and self.hooks.skip_refit(weights_version):  # TEST-ONLY: a missed refit
+            return 0.0
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
         if scales is not None:
@@ -426,6 +428,7 @@ class RolloutWorker:
             "last_routing_s": self._last_stats.get("routing_s"),  # MoE routing capture after the last generate
             "last_refit_s": self._last_refit_s,
             "weights_version": self._weights_version,
+            "last_weights_version": self._last_stats.get("weights_version"),  # the weights the last generate ran on
             "engine_start_s": self.start_s,
             "threads": self.threads,
             "config": {"vllm_cfg": asdict(self.vllm), "fp8": None if self.fp8 is None else asdict(self.fp8),

@@ -67,8 +67,9 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     consecutive ranges, one per engine, generated concurrently and gathered in prompt order into one object in
     Ray's object store (on the first engine; with one engine its own result). Per-prompt seeds do not depend on the
     split. ``weights_version``: the policy step the refit loaded; an engine holding other weights refuses.
-    Returns the Ray ref of the rollouts and throughput metrics (and the wall-clock span of the task,
-    ``time/rollout_start_unix`` / ``_end_unix``, which the step uses to measure its overlap with training)."""
+    Returns the Ray ref of the rollouts and throughput metrics, ``rollout/weights_version`` (the policy step of the
+    weights the engines generated with, as they report it), and the wall-clock span of the task,
+    ``time/rollout_start_unix`` / ``_end_unix`` (the step uses it to measure its overlap with training)."""
     t0, start_unix = time.perf_counter(), time.time()
     g = ctx.gen
     prompts = prompts_for(ctx, rows)
@@ -90,6 +91,9 @@ def rollout(ctx: RunContext, rows: list[dict], step: int,
     gen_s = [s["last_generate_s"] or 0.0 for s in stats]
     routing_s = [s.get("last_routing_s") for s in stats]
     extra = {"time/rollout_routing_s": max(routing_s)} if all(x is not None for x in routing_s) else {}
+    held = [s["last_weights_version"] for s in stats]  # the policy step each engine generated this rollout with
+    if all(v is not None for v in held):
+        extra["rollout/weights_version"] = float(min(held))  # the stalest engine's (they all checked the same step)
     return ref, {**extra, "time/rollout_s": wall, "throughput/rollout_tokens_per_s": tokens / wall,
                  "rollout/generated_tokens": float(tokens), "rollout/engines": float(len(engines)),
                  "time/rollout_engine_max_s": max(gen_s), "time/rollout_engine_min_s": min(gen_s),

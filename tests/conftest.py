@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 _ROOT = Path(__file__).resolve().parents[1] / "runs" / "test-env"
+# the tests' helper modules (tests/_ops.py, tests/_runs.py, ...): ``from _runs import ...`` in any folder
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Under pytest-xdist (scripts/test.sh runs the suite on several workers) each worker has its own Prefect home (the
 # temporary Prefect servers of in-process flow runs keep a sqlite database there) and its own results directory;
 # the model, asset and compile caches are shared (their writers lock or write atomically).
@@ -95,10 +97,12 @@ def pytest_collection_modifyitems(config, items):
     ``--dist loadgroup``) take the minute-long end-to-end tests at the start and finish together on the fast set.
     Each module is one xdist group and stays in one piece: its module-scoped fixtures (engines, trainers, built
     models) are built once, where a test-by-test order rebuilt them for every test (~9 s each). The tests that use
-    the local stack (one Prefect + MLflow server per pytest process: the session fixture ``stack``) form one group
-    across their modules, placed by the group's total time."""
+    the local stack (one Prefect + MLflow server per pytest process: the session fixture ``stack``) or the shared
+    warm start (``warm_start``: minutes of SFT, built by the first of them) form one group across their modules,
+    placed by the group's total time: one worker starts each once, and no worker idles waiting on another's build."""
     ledger = json.loads(LEDGER.read_text()) if LEDGER.exists() else {}
-    group = {item.nodeid: "stack" if "stack" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+    shared = {"stack", "warm_start"}
+    group = {item.nodeid: "shared" if shared & set(getattr(item, "fixturenames", ())) else item.nodeid.split("::")[0]
              for item in items}
     total: dict[str, float] = {}
     first: dict[str, int] = {}
@@ -173,6 +177,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def warm_start() -> dict[str, Path]:
+    """The shared warm start's assets (``model_dir``, ``train``, ``validation``, ..., and ``assets_dir``: what
+    ``bootstrap.assets_dir`` names for a run to start from it)."""
+    from _runs import WARM_START_DIR
+
+    from embedded.bootstrap import default_sft, ensure_default_assets
+
+    assets = ensure_default_assets(WARM_START_DIR, task="addition", sft=default_sft("addition", seed=0))
+    return {**assets, "assets_dir": WARM_START_DIR}
 
 
 @pytest.fixture

@@ -54,6 +54,9 @@ def test_gain_table_from_finished_runs(tmp_path):
     assert m["mean clip/lower_neg_adv_frac"] == pytest.approx(0.11) and m["lower_neg_in_band"] == 0.5
     assert m["upper_pos_in_band"] == 1.0  # 1% and 10%
     assert "**+37.5**" in table and "+50.0, +25.0" in table
+    # sd(+50, +25) = 17.7; two arms' difference sqrt(2) x 17.7 = 25 points: (25 x 2.4865 / 3)^2 = 429.3 -> 430 seeds
+    assert "seed SD of the gain 17.7 points over 2 seeds; a 3-point difference between two arms then needs 430 " \
+           "paired seeds" in table
     assert "Not finished (not in the table): tiny_bf16 seed 2, tiny_fp8_e2e seed 0, tiny_fp8_e2e seed 1, " \
            "tiny_fp8_e2e seed 2." in table
 

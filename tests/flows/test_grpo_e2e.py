@@ -4,6 +4,7 @@ checkpoints on a local moto S3 server -- then resumes from the latest *complete*
 from pathlib import Path
 
 import pytest
+from _runs import check_refits_and_mismatch
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = ["reward/mean", "val/accuracy", "mismatch/token_mult_prob_error", "mismatch/kl_k3_train_rollout",
@@ -81,3 +82,68 @@ def test_tiny_fp8_two_steps_then_resume_from_s3(tmp_path, moto_s3, capsys):
     steps = sorted({m.step for m in c.get_metric_history(run.info.run_id, "reward/mean")})
     assert steps == [1, 2, 3]
     assert store.complete_steps() == [1, 2, 3] and c.get_run(run.info.run_id).info.status == "FINISHED"
+    # every step (the resumed ones too) generated on the weights its refit loaded; FP8 KV mismatch within bound
+    check_refits_and_mismatch(c, run.info.run_id)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_an_engine_that_skips_a_refit_fails_the_run(tmp_path):
+    """The negative control of the engine-version checks: engines that ignore step 2's refit (TEST-ONLY
+    ``testing.fault_skip_refit_at_step``) still hold the step-0 policy, so step 2's rollout refuses to generate and
+    the run fails naming the missed step; the engines' reported version shows the one step that ran right."""
+    from _ops import TINY
+    from _runs import step_history
+    from mlflow.tracking import MlflowClient
+
+    from flows.grpo import grpo
+
+    db = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(Exception, match="holds the policy weights of step 0, the rollout needs step 1: it missed a "
+                                        "refit"):
+        grpo(str(ROOT / "configs" / "tiny_fp8_e2e.yaml"),
+             [*TINY, f"run_dir={tmp_path / 'run'}", f"logger.mlflow.tracking_uri={db}", "checkpointing.enabled=false",
+              "grpo.dynamic_sampling=false", "testing.fault_skip_refit_at_step=2"])
+    c = MlflowClient(tracking_uri=db)
+    (run,) = c.search_runs([c.get_experiment_by_name("fp8-grpo").experiment_id])
+    assert run.info.status == "FAILED" and run.data.tags.get("testing.fault")
+    assert step_history(c, run.info.run_id, "rollout/weights_version") == {1: 0.0}
+    assert sorted(step_history(c, run.info.run_id, "reward/mean")) == [1]
+
+
+class _History:
+    """A stand-in MLflow client holding per-step metric histories and a precision tag."""
+
+    def __init__(self, precision: str, **metrics: dict[int, float]):
+        from types import SimpleNamespace
+
+        self.run = SimpleNamespace(data=SimpleNamespace(tags={"precision": precision}))
+        self.metrics = {k.replace("__", "/"): v for k, v in metrics.items()}
+
+    def get_run(self, run_id):
+        return self.run
+
+    def get_metric_history(self, run_id, key):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(step=s, value=v) for s, v in self.metrics.get(key, {}).items()]
+
+
+def test_run_checks_fail_on_a_stale_engine_or_a_mismatch_above_the_bound():
+    from _runs import MISMATCH_BOUND, check_refits_and_mismatch
+
+    good = dict(reward__mean={1: 0.1, 2: 0.2}, refit__weights_version={1: 0.0, 2: 1.0},
+                mismatch__token_mult_prob_error={1: 1.001, 2: 1.004})
+    out = check_refits_and_mismatch(_History("fp8-e2e", **good, rollout__weights_version={1: 0.0, 2: 1.0}), "r")
+    assert out["steps"] == [1, 2]
+    with pytest.raises(AssertionError, match="engine weights per step"):  # step 2 generated on the step-0 policy
+        check_refits_and_mismatch(_History("fp8-e2e", **good, rollout__weights_version={1: 0.0, 2: 0.0}), "r")
+    with pytest.raises(AssertionError, match="engine weights per step"):  # no version reported at all
+        check_refits_and_mismatch(_History("fp8-e2e", **good), "r")
+    above = {**good, "mismatch__token_mult_prob_error": {1: 1.001, 2: MISMATCH_BOUND["fp8-e2e"] + 0.001}}
+    with pytest.raises(AssertionError, match="above"):
+        check_refits_and_mismatch(_History("fp8-e2e", **above, rollout__weights_version={1: 0.0, 2: 1.0}), "r")
+    # the same values pass the FP8 KV cache's wider bound; ages shift the expected version
+    check_refits_and_mismatch(_History("fp8-e2e-kvfp8", **above, rollout__weights_version={1: 0.0, 2: 0.0}), "r",
+                              ages={2: 1})

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from _hub import add_dataset, add_model  # noqa: E402
+from _runs import check_refits_and_mismatch  # noqa: E402
 
 
 def _addition_rows(n: int, seed: int) -> list[dict]:
@@ -67,3 +68,5 @@ def test_one_rl_step_from_a_hub_model_and_a_hub_dataset(tmp_path, monkeypatch, c
         hub_h = [(m.step, m.value) for m in c.get_metric_history(s["mlflow_run_id"], key)]
         dir_h = [(m.step, m.value) for m in c.get_metric_history(d["mlflow_run_id"], key)]
         assert hub_h and hub_h == dir_h, (key, hub_h, dir_h)
+    for run_id in (s["mlflow_run_id"], d["mlflow_run_id"]):
+        check_refits_and_mismatch(c, run_id)

@@ -5,6 +5,7 @@ sqlite, a local checkpoint -- and logs the moe/* metrics every step."""
 from pathlib import Path
 
 import pytest
+from _runs import check_refits_and_mismatch
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE_METRICS = ["moe/routing_mismatch_frac", "moe/expert_load_max", "moe/expert_load_min", "moe/expert_load_cv",
@@ -41,3 +42,4 @@ def test_tiny_moe_fp8_two_steps_with_routing_replay(tmp_path, capsys):
     assert run.data.tags["recipe"] == "tiny_moe_fp8_e2e" and run.data.tags["precision"] == "fp8-e2e"
     assert run.data.params["bootstrap.model"] == "moe"
     assert run.info.status == "FINISHED"
+    check_refits_and_mismatch(MlflowClient(tracking_uri=db), s["mlflow_run_id"])

@@ -15,6 +15,7 @@ import uuid
 
 import pytest
 from _ops import TINY, kill_marked, processes_with_env, run_logged, wait_for
+from _runs import check_refits_and_mismatch
 
 from storage.checkpoint import CheckpointStore
 
@@ -69,3 +70,5 @@ def test_async_run_survives_a_killed_engine_and_a_resume_with_each_step_once(tmp
     overlap = dict(_history(uri, run_id, "async/rollout_hidden_frac"))
     assert overlap[1] > 0.0 and overlap[3] > 0.0  # rollouts ahead ran while those steps trained
     assert CheckpointStore(str(ck)).latest_step() == 4
+    # what the engines generated each step with: the policy of step t - 1 - age (also after the restart and resume)
+    check_refits_and_mismatch(MlflowClient(tracking_uri=uri), run_id, ages={1: 0, 2: 1, 3: 0, 4: 1})

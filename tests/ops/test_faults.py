@@ -22,6 +22,7 @@ import uuid
 
 import pytest
 from _ops import TINY, kill_marked, processes_with_env, run_logged, wait_for
+from _runs import check_refits_and_mismatch
 
 from storage.checkpoint import CheckpointStore
 
@@ -115,6 +116,8 @@ def test_engine_killed_step_is_redone_then_trainer_killed_stops_fast_and_resumes
         assert [s for s, _ in _history(uri, run_id, key)] == [1, 2, 3], key
     assert [v for _, v in _history(uri, run_id, "fault/rollout_retries")] == [0.0, 1.0, 0.0]
     assert CheckpointStore(str(ck)).latest_step() == 3
+    # the redone step 2 ran on the restarted engine's refit of the step-1 policy, step 3 on the resumed one's
+    check_refits_and_mismatch(MlflowClient(tracking_uri=uri), run_id)
 
 
 def test_fault_markers_claim_once(tmp_path):

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 from _ops import PREFECT, ROOT, run_logged
+from _runs import WARM_START_DIR
 
 from tasks.regression import MIN_THROUGHPUT_RATIO, throughput_threshold, verdict
 
@@ -19,13 +20,12 @@ BF16 = {"val_accuracy_end": 0.40, "mean_token_mult_prob_error": 1.004, "mean_ste
 FP8 = {"val_accuracy_end": 0.375, "mean_token_mult_prob_error": 1.03, "mean_step_s": 20.0,
        "mean_rollout_tokens_per_s": 1500.0, "mean_train_tokens_per_s": 200.0}
 LENIENT = dict(max_accuracy_drop=0.05, max_token_mult_prob_error=1.10, min_throughput_ratio=0.25)
-# The shortened nightly of the e2e tests: one seed pair of 1 RL step each on the 325-step warm start (built once per
-# suite under runs/test-env), every one of the 500 validation prompts at the end.
+# The shortened nightly of the e2e tests: one seed pair of 1 RL step each on the 325-step warm start (the test run's
+# shared one, tests/conftest.py ``warm_start``), every one of the 500 validation prompts at the end.
 SHORT_NIGHTLY = ["grpo.max_num_steps=1", "grpo.val_period=0", "grpo.val_at_start=false", "grpo.max_val_samples=500",
                  "grpo.num_prompts_per_step=8", "grpo.num_generations_per_prompt=4",
                  "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16",
-                 "checkpointing.enabled=false",
-                 f"bootstrap.assets_dir={ROOT / 'runs' / 'test-env' / 'regression-assets'}"]
+                 "checkpointing.enabled=false", f"bootstrap.assets_dir={WARM_START_DIR}"]
 
 
 def _by_name(v):
@@ -127,7 +127,7 @@ def test_different_seeds_are_rejected(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_nightly_deployment_parent_children_plot_verdict(stack, tmp_path):
+def test_nightly_deployment_parent_children_plot_verdict(stack, warm_start, tmp_path):
     """The nightly deployment on the shortened nightly, its FP8 run degraded by the TEST-ONLY fault (10 points of
     its correct greedy answers turned wrong), with a mismatch threshold no FP8 run can meet: the flow run fails on
     both checks. Training is deterministic per seed, so the degraded drop is the correct run's drop (|drop| < 0.025:
@@ -141,7 +141,6 @@ def test_nightly_deployment_parent_children_plot_verdict(stack, tmp_path):
               "max_token_mult_prob_error": 1.0,  # exp(|d|) >= 1 with equality only without any mismatch: must fail
               "seeds": [0]}  # one seed pair keeps the deployment test short (the nightly default is DEFAULT_SEEDS)
     flow_run_name = f"ops-regression-{tag}"
-    # the warm start is built once per suite (by whichever test needs it first; the other waits on its lock)
     r = run_logged([PREFECT, "deployment", "run",
                     "fp8-grpo-regression/nightly-regression", "--params", json.dumps(params),
                     "--flow-run-name", flow_run_name, "--watch", "--watch-timeout", "1800"],
@@ -277,7 +276,7 @@ def test_powered_threshold_fails_a_5_point_drop_and_passes_noise():
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_verdict_passes_a_correct_fp8_run(tmp_path):
+def test_verdict_passes_a_correct_fp8_run(warm_start, tmp_path):
     """The shortened nightly (in-process flow) of a correct FP8 run passes the accuracy check at half the degraded
     run's fault (test_nightly_deployment_parent_children_plot_verdict fails the same run degraded by 10 points; the
     powered default needs DEFAULT_SEEDS full-length seed pairs, and the statistics behind it are tested above on

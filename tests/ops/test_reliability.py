@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from _ops import BUCKET, ROOT, TINY, kill_marked, processes_with_env, run_logged, s3_client, wait_for
+from _runs import check_refits_and_mismatch
 
 from storage.checkpoint import MANIFEST, CheckpointError, CheckpointStore
 
@@ -109,6 +110,7 @@ def test_sigkill_of_the_driver_leaves_nothing_running_then_resumes(tmp_path):
         assert steps == [1, 2], (key, steps)  # each step once, also one the killed run had logged
     assert store.latest_step() == 2 and store.is_complete(done + 1)  # the partial dir was rewritten completely
     assert store.load(done + 1).state["mlflow_run_id"] == run_id
+    check_refits_and_mismatch(c, run_id)  # the resumed step ran on the refit of the checkpoint's policy
 
 
 @pytest.mark.e2e

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 from _ops import BUCKET, PREFECT, TINY, rest, run_logged, s3_client
+from _runs import check_refits_and_mismatch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -73,6 +74,9 @@ def test_deployment_run_two_steps_to_mlflow_and_s3(stack, moto, faulty_s3, s3_cr
     hist = rest(f"{base}/api/2.0/mlflow/metrics/get-history?" + urllib.parse.urlencode(
         {"run_id": run_id, "metric_key": "mismatch/token_mult_prob_error"}))["metrics"]
     assert sorted(m["step"] for m in hist) == [1, 2] and all(m["value"] >= 1.0 for m in hist)
+    from mlflow.tracking import MlflowClient
+
+    check_refits_and_mismatch(MlflowClient(tracking_uri=base), run_id)  # through the tracking server
     tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
     assert tags["precision"] == "fp8-e2e"
 

@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _ops import ROOT, TINY, run_logged  # noqa: E402
+from _runs import check_refits_and_mismatch  # noqa: E402
 
 CLUSTER = [sys.executable, str(ROOT / "scripts" / "cluster.py")]
 
@@ -70,6 +71,7 @@ def test_two_nodes_two_engines_two_trainers_write_a_checkpoint(tmp_path):
         for key in ("reward/mean", "rollout/engines", "mismatch/token_mult_prob_error"):
             assert sorted(m.step for m in c.get_metric_history(run.info.run_id, key)) == [1], key
         assert {m.value for m in c.get_metric_history(run.info.run_id, "rollout/engines")} == {2.0}
+        check_refits_and_mismatch(c, run.info.run_id)  # both engines, on the two nodes, on the refit's weights
     finally:
         s = subprocess.run([*CLUSTER, "stop", "--dir", str(d)], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
