@@ -3,11 +3,12 @@
     python -m experiments.learning [--seeds 0,1,2] [--recipes configs/tiny_bf16.yaml,configs/tiny_fp8_e2e.yaml]
                                    [--out runs/learning] [key=value ...]      (overrides applied to every run)
 
-For every recipe x seed: one ``fp8-grpo`` training run (``grpo.seed`` = the seed; each seed builds its own SFT warm
-start, embedded/bootstrap.py) as a child MLflow run of one parent run. Then, per recipe, the gain in validation
+For every recipe x seed: one ``fp8-grpo`` training run (``grpo.seed`` = the seed, all on the grid's shared SFT warm
+start, ``bootstrap.sft_seed``: experiments/grid.py) as a child MLflow run of one parent run. Then, per recipe, the gain in validation
 accuracy from step 0 to the last step, mean over seeds, with a 95% confidence interval from a paired bootstrap over
 validation prompts with the seeds as strata (fp8core.stats), beside the format-valid rate, entropy, clip fractions
-(updates after the first of each step), identical-reward groups and wall time. The markdown table goes to
+(updates after the first of each step), identical-reward groups and wall time; with several seeds, the seed SD of
+the gain and the seeds a 3-point difference between two arms would need (``seeds_line``). The markdown table goes to
 ``<out>/learning.md`` and to the parent run; when it finishes, ``main`` writes it, stamped (commit, date, CPU,
 command line: tools.results), to docs/results/learning.md (``--results-doc PATH``; ``--no-results-doc`` for none).
 
@@ -19,6 +20,7 @@ is missing. The tracking store is ``--tracking-uri``, else $MLFLOW_TRACKING_URI,
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -163,12 +165,31 @@ def gain_table(root: Path, recipes, seeds, uri: str, *, n_boot: int = 10_000,
             f"{pct(m['mean reward/frac_groups_all_same'])} | {pct(m['mean train/dynamic_sampling_filtered_frac'])} | "
             f"{m['mean time/step_s']:.1f} s | {m['wall_s']:.0f} s |")
     lines.append("")
+    for row in rows:
+        if len(row["per_seed"]) > 1 and row["gain"]["seed_sd"] > 0:
+            lines.append(seeds_line(row) + "\n")
     if missing:
         lines.append(f"Not finished (not in the table): {', '.join(missing)}.")
     lines.append("Gain: mean over seeds of the per-prompt change in near-greedy validation correctness (same prompts "
                  "at both ends); CI: paired bootstrap over prompts with seeds as strata (fp8core.stats."
                  f"paired_bootstrap, {n_boot} replicates).")
     return "\n".join(lines) + "\n", rows
+
+
+DETECT = 0.03  # the difference between two arms' gains the seeds-needed line is sized for (3 points)
+
+
+def seeds_line(row: dict, effect: float = DETECT) -> str:
+    """How many seeds a difference of ``effect`` between two arms would need, from this recipe's seed SD of the gain
+    ``s``: two arms' paired per-seed difference has SD ``sqrt(2) * s`` when their runs are independent given the warm
+    start (positively correlated runs need fewer); fp8core.stats.seeds_needed at 80% power, 5% one-sided."""
+    from fp8core.stats import seeds_needed
+
+    sd = row["gain"]["seed_sd"]
+    n = seeds_needed(sd_per_seed=math.sqrt(2) * sd, effect=effect)
+    return (f"`{row['recipe']}`: seed SD of the gain {100 * sd:.1f} points over {len(row['per_seed'])} seeds; a "
+            f"{100 * effect:.0f}-point difference between two arms then needs {n} paired seeds (per-seed difference "
+            f"SD sqrt(2) x {100 * sd:.1f}, `fp8core.stats.seeds_needed`, 80% power, 5% one-sided).")
 
 
 NOTE = "What is measured and how to read it: [experiments](../experiments.md#does-rl-learn-the-learning-experiment)."
