@@ -127,6 +127,7 @@ def pytest_collection_finish(session):
 
 
 _durations: dict[str, float] = {}
+_spans: dict[str, list] = {}  # nodeid -> [worker, first start, last stop] (epoch seconds): the run's timeline
 _outcomes: dict[str, int] = {}
 _session: dict = {}
 
@@ -148,18 +149,28 @@ def pytest_sessionstart(session):
 def pytest_runtest_logreport(report):
     nodeid = report.nodeid.split("@", 1)[0]  # xdist's loadgroup appends "@<group>" to grouped tests' ids
     _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
+    worker = getattr(report, "worker_id", None) or getattr(getattr(getattr(report, "node", None), "gateway", None),
+                                                           "id", "")
+    if getattr(report, "start", None) is not None:
+        span = _spans.setdefault(nodeid, [worker, report.start, report.stop])
+        span[1], span[2] = min(span[1], report.start), max(span[2], report.stop)
     if report.when == "call" or report.outcome != "passed":
         _outcomes[report.outcome] = _outcomes.get(report.outcome, 0) + 1
 
 
 def pytest_sessionfinish(session):
     """The controller (or a run without xdist) writes the ledger: PATH (JSON, what orders the next run) and, beside
-    it, PATH with .md (its slowest tests as the table tests/README.md shows, stamped like docs/results/)."""
+    it, PATH with .md (its slowest tests as the table tests/README.md shows, stamped like docs/results/) and
+    ``<stem>-timeline.json`` (each test's worker, start and end)."""
     path = session.config.getoption("--write-durations")
     if not path or hasattr(session.config, "workerinput"):
         return
     path = Path(path)
     path.write_text(json.dumps({k: round(v, 2) for k, v in sorted(_durations.items())}, indent=1) + "\n")
+    # beside it, the timeline (worker, start and end in seconds from the first test): where a run waited or crowded
+    t0 = min((s[1] for s in _spans.values()), default=0.0)
+    timeline = sorted([[round(s[1] - t0, 1), round(s[2] - t0, 1), s[0], k] for k, s in _spans.items()])
+    path.with_name(path.stem + "-timeline.json").write_text("[\n" + ",\n".join(map(json.dumps, timeline)) + "\n]\n")
     from tools.results import format_result
 
     wall = time.monotonic() - _session["t0"]
