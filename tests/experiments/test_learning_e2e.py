@@ -8,7 +8,8 @@ report it, and the mismatch stayed in its recipe's bound. Then the experiment's 
 parent (the seed shares the warm start: ``bootstrap.sft_seed``), the table, and a rerun that trains nothing.
 
 Measured (greedy accuracy on the 16 prompts, step 0 -> 15): AMD EPYC (avx512_bf16) BF16 0.312 -> 1.000, end-to-end FP8
-0.312 -> 1.000, 38-39 s per run (with 8 samples per prompt: 0.312 -> 0.938 and -> 1.000, at twice the cost)."""
+0.312 -> 1.000, 38-39 s per run (with 8 samples per prompt: 0.312 -> 0.938 and -> 1.000, at twice the cost); the same
+CPU under FP8GRPO_CPU_CAP=avx2 (FP32 FP8 GEMM, emulated BF16): both 0.312 -> 0.875, 56-63 s per run on one core."""
 import json
 from pathlib import Path
 
