@@ -103,9 +103,13 @@ def load():
 
 
 def build_dir() -> Path:
-    """This process's build directory: :func:`build_root` / ``fp8core_qdq_<kind>_<hash of source, flags, torch>``."""
+    """This process's build directory: :func:`build_root` / ``fp8core_qdq_<kind>_<hash of source, flags, torch>``.
+    The hash also covers where the sources and torch live: torch's build.ninja names them by absolute path, so two
+    checkouts (or venvs) sharing one directory would rebuild each other's build whenever the other one loads it."""
     kind, flags = _isa_flags()
-    tag = hashlib.sha256(("".join(p.read_text() for p in _SOURCES) + kind + " ".join(flags) + torch.__version__).encode()).hexdigest()[:12]
+    key = "".join(p.read_text() for p in _SOURCES) + kind + " ".join(flags) + torch.__version__
+    key += "".join(str(p.resolve()) for p in _SOURCES) + str(Path(torch.__file__).resolve().parent)
+    tag = hashlib.sha256(key.encode()).hexdigest()[:12]
     return build_root() / f"fp8core_qdq_{kind}_{tag}"
 
 
