@@ -6,8 +6,9 @@ A split is any file with a question column and an answer column (names configura
 ``answer`` or OpenMathInstruct-2's ``problem`` / ``expected_answer``). Loading fails early with an error naming the
 file (missing, unreadable, unknown format) or the column (absent, with the columns that exist). In a JSON-lines file
 the error also names the line: ``<file>:<line>: <what is wrong>`` for a line that is not valid JSON or not an object,
-and for a line without (or with a null) question / answer key. The lines are scanned only when ``datasets`` could not
-read the file or a column is absent or has a null, so a good file is parsed once.
+and for a line without (or with a null) question / answer key. While loading, the lines are scanned only when
+``datasets`` could not read the file or a column is absent or has a null, so a good file is parsed once there; the
+command line's ``check_local_files`` scans a bounded prefix before the run starts.
 
 Prompt order is a pure function of (seed, step): ``step_indices`` draws from a per-epoch permutation, so a run resumed
 at step s sees exactly the prompts an uninterrupted run would have seen.
@@ -58,14 +59,18 @@ def _datasets_json_logger_off() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _json_lines_error(local: str, path: str, keys: Mapping[str, str]) -> DataError | None:
+def _json_lines_error(local: str, path: str, keys: Mapping[str, str],
+                      max_bytes: int | None = None) -> DataError | None:
     """The first problem in the JSON-lines file ``local`` (named ``path`` in the message), as ``<path>:<line>: ...``:
     bytes that are not UTF-8, a line that is not valid JSON or not an object, a line without (or with a null) one of
     ``keys`` ({role: column}). A file that starts with ``[`` is one JSON document: its parse error's line. None when
-    nothing is wrong line by line."""
+    nothing is wrong line by line. With ``max_bytes`` only the lines that start within the first ``max_bytes`` are
+    read (a JSON document longer than that is not parsed)."""
     with open(local, "rb") as f:
         head = f.read(4096).lstrip()
     if head.startswith(b"["):
+        if max_bytes is not None and Path(local).stat().st_size > max_bytes:
+            return None
         try:
             json.loads(Path(local).read_bytes())
         except json.JSONDecodeError as e:
@@ -75,6 +80,8 @@ def _json_lines_error(local: str, path: str, keys: Mapping[str, str]) -> DataErr
         return None
     with open(local, "rb") as f:
         for n, raw in enumerate(f, 1):
+            if max_bytes is not None and f.tell() - len(raw) >= max_bytes:
+                break
             try:
                 line = raw.decode("utf-8").rstrip("\r\n")  # a column past the end names the line's end, not 1
             except UnicodeDecodeError as e:
@@ -137,6 +144,30 @@ def _check_values(ds, local: str, path: str, fmt: str, keys: Mapping[str, str], 
     first, value = next(((i, v) for i, v in enumerate(ds[col]) if not _scalar(v)), (None, None))
     if first is not None:
         raise DataError(f"{path}: row {first}: {role} column {col!r} is {_kind(value)}; expected text or a number")
+
+
+PREFLIGHT_SCAN_BYTES = 64 << 20  # check_local_files reads at most this much of each JSON-lines file
+
+
+def check_local_files(data_cfg, paths: Mapping[str, str]) -> None:
+    """The cheap half of loading, for the command line to run before Prefect, Ray or a worker starts: each local (or
+    file://) dataset of ``paths`` ({config key: path}) exists with a known format, and the lines of a JSON-lines file
+    that start in its first ``PREFLIGHT_SCAN_BYTES`` are valid rows with both keys (the errors ``load_split`` gives,
+    ``<file>:<line>: ...``). Hub datasets, s3:// files and ``embedded`` are left to the run, which loads every file
+    in full anyway (a fault past the scanned prefix fails there, with the same message)."""
+    from configs.schema import EMBEDDED
+    from storage.hub import hub_dataset
+
+    keys = {"question": data_cfg.question_key, "answer": data_cfg.answer_key}
+    for path in paths.values():
+        if path == EMBEDDED or hub_dataset(path) is not None or "://" in _strip_file(path):
+            continue
+        fmt, local = _format_of(path), _strip_file(path)
+        if not Path(local).is_file():
+            raise DataError(f"{path}: dataset file not found")
+        error = _json_lines_error(local, path, keys, max_bytes=PREFLIGHT_SCAN_BYTES) if fmt == "json" else None
+        if error is not None:
+            raise error
 
 
 _SCALAR_DTYPES = {"string", "large_string", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",

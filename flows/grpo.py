@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    from data.loading import DataError
+    from data.loading import DataError, check_local_files
     from fp8core.cpu import apply_cpu_cap
 
     debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
@@ -510,13 +510,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv[0], argv[1:])  # fail fast with the dotted path, before Prefect starts its server
         preflight(cfg)
+        # local data files: a missing file or a bad line fails here too, in seconds rather than after the server
+        check_local_files(cfg.data, {"data.train_path": cfg.data.train_path,
+                                     "data.validation_path": cfg.data.validation_path})
         # A fresh process: the driver (bootstrap SFT, data) follows FP8GRPO_CPU_CAP too. The flow function itself
         # does not patch its process (it may be a long-lived one); the actors always apply the cap themselves.
         apply_cpu_cap()
     except (ConfigError, ValueError) as e:
         if debug:
             raise
-        print(f"config error: {e}", file=sys.stderr)
+        print(f"{'data' if isinstance(e, DataError) else 'config'} error: {e}", file=sys.stderr)
         return 2
     # SIGTERM -> SystemExit: the flow's cleanup runs (Prefect turns the signal into TerminationSignal inside the
     # flow, then re-sends it to this handler), atexit handlers run (Prefect's temporary server is stopped)

@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data.loading import DataError, PromptSource, load_split, step_indices
+from data import loading
+from data.loading import DataError, PromptSource, check_local_files, load_split, step_indices
 
 ROWS = [{"problem": f"What is {i} plus 1?", "expected_answer": str(i + 1)} for i in range(10)]
 
@@ -69,6 +70,38 @@ def test_a_bad_jsonl_line_is_named_by_file_and_line_number(tmp_path, line, needl
         with pytest.raises(DataError) as e:
             load_split(name, question_key="problem", answer_key="expected_answer")
         assert str(e.value) == f"{name}:5: {needle}"
+
+
+class _Keys:
+    question_key, answer_key = "problem", "expected_answer"
+
+
+def test_the_command_lines_check_gives_the_loaders_errors_within_its_prefix(tmp_path, monkeypatch):
+    """check_local_files (run by ``python -m flows.grpo`` before Prefect starts) raises what load_split raises for a
+    missing file, an unknown format and a bad line in the scanned prefix; a bad line past the prefix, hub ids,
+    s3:// and ``embedded`` are left to the loader (which still names the line)."""
+    lines = [json.dumps(r) for r in ROWS]
+    lines[6] = '{"problem": "What is 6 plus 1?"}'  # line 7
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    good, _ = _write(tmp_path)
+    needle = "no answer key 'expected_answer' (set data.answer_key); keys on this line: ['problem']"
+    with pytest.raises(DataError) as e:
+        check_local_files(_Keys, {"data.train_path": str(good), "data.validation_path": f"file://{path}"})
+    assert str(e.value) == f"file://{path}:7: {needle}"
+    for missing, what in ((tmp_path / "no.jsonl", "dataset file not found"), (tmp_path / "d.csv", "unknown dataset")):
+        with pytest.raises(DataError, match=what):
+            check_local_files(_Keys, {"data.train_path": str(missing)})
+    check_local_files(_Keys, {"a": str(good), "b": "embedded", "c": "s3://bucket/x.jsonl", "d": "org/name"})
+    start_of_line_7 = len("".join(line + "\n" for line in lines[:6]))
+    monkeypatch.setattr(loading, "PREFLIGHT_SCAN_BYTES", start_of_line_7)  # line 7 starts right at the bound
+    check_local_files(_Keys, {"data.train_path": str(path)})
+    with pytest.raises(DataError) as e:
+        load_split(str(path), question_key="problem", answer_key="expected_answer")
+    assert str(e.value) == f"{path}:7: {needle}"
+    monkeypatch.setattr(loading, "PREFLIGHT_SCAN_BYTES", start_of_line_7 + 1)
+    with pytest.raises(DataError, match=":7: no answer key"):
+        check_local_files(_Keys, {"data.train_path": str(path)})
 
 
 def test_bad_bytes_json_document_and_parquet_nulls_are_located(tmp_path):
