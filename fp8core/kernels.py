@@ -16,8 +16,9 @@ The build targets the CPU kind of :mod:`fp8core.cpu` (``-mavx2 -mfma``, plus ``-
 -mavx512dq`` on AVX-512 kinds; no ``-march=native``), so a capped process (``FP8GRPO_CPU_CAP=avx2``) runs the AVX2
 build, and the build directory is keyed by kind + source hash + torch version (and where the sources and torch live,
 so checkouts sharing the cache do not rebuild each other's): a cache shared between machines never
-loads code for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno`` and without ``-ffast-math``
-(which would change the rounding). Build directory: :func:`build_root`. The first build takes ~30 s on a 2-core
+loads code for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno -fopenmp`` and without
+``-ffast-math`` (which would change the rounding); OpenMP because ATen's ``parallel_for`` opens its parallel region
+in the extension's own code (without it every kernel ran on one thread: :func:`parallel_width` tells). Build directory: :func:`build_root`. The first build takes ~30 s on a 2-core
 machine; later loads, in any process, ~0.1 s. A builder killed mid-load (torch keeps a ``lock`` file while it
 loads, even with nothing to rebuild) does not make later processes wait forever: see :func:`_build_lock`.
 """
@@ -41,7 +42,8 @@ _log = logging.getLogger("fp8core.kernels")
 _lock = threading.Lock()
 _state: dict = {}
 
-__all__ = ["ENV", "MODES", "build_dir", "build_root", "describe", "load", "no_kernel_reason", "quantize_tiles"]
+__all__ = ["ENV", "MODES", "build_dir", "build_root", "describe", "load", "no_kernel_reason", "parallel_width",
+           "quantize_tiles"]
 
 
 def _mode() -> str:
@@ -108,7 +110,7 @@ def build_dir() -> Path:
     The hash also covers where the sources and torch live: torch's build.ninja names them by absolute path, so two
     checkouts (or venvs) sharing one directory would rebuild each other's build whenever the other one loads it."""
     kind, flags = _isa_flags()
-    key = "".join(p.read_text() for p in _SOURCES) + kind + " ".join(flags) + torch.__version__
+    key = "".join(p.read_text() for p in _SOURCES) + kind + " ".join(flags) + " -fopenmp " + torch.__version__
     key += "".join(str(p.resolve()) for p in _SOURCES) + str(Path(torch.__file__).resolve().parent)
     tag = hashlib.sha256(key.encode()).hexdigest()[:12]
     return build_root() / f"fp8core_qdq_{kind}_{tag}"
@@ -122,7 +124,10 @@ def _build():
     name = bdir.name
     bdir.mkdir(parents=True, exist_ok=True)
     with _build_lock(bdir):
-        mod = load_ext(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=["-O3", "-fno-math-errno", *flags],
+        # -fopenmp: ATen's parallel_for expands its OpenMP region in the extension's code (without the flag every
+        # kernel runs on one thread); at run time the process's libgomp (torch's) serves it
+        mod = load_ext(name=name, sources=[str(p) for p in _SOURCES],
+                       extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
                        build_directory=str(bdir), verbose=False)
     return mod, f"{kind} build {' '.join(flags) or '(generic x86-64)'}"
 
@@ -162,6 +167,13 @@ def describe() -> str:
     """The choice made in this process (``load()`` first if nothing was chosen yet)."""
     load()
     return _state["choice"]
+
+
+def parallel_width() -> int | None:
+    """Threads the kernels' ``at::parallel_for`` loops run on in this process (torch.get_num_threads() on a build
+    with OpenMP, 1 without), or None without a kernel."""
+    mod = load()
+    return None if mod is None else int(mod.parallel_width())
 
 
 _FMT = {"e4m3": (448.0, 3, -9), "e5m2": (57344.0, 2, -16)}

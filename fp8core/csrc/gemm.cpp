@@ -83,90 +83,116 @@ inline int64_t block_len(const Shape& s, int64_t kb) {  // valid columns of bloc
 }
 
 constexpr int64_t kGrain = 1;
+// the register-blocked loops must be unrolled: an accumulator array indexed by a loop variable lives in memory
+#define UNROLL _Pragma("GCC unroll 32")
 
 #if defined(__AVX512BF16__)
 constexpr const char* kPath = "avx512_bf16 (VDPBF16PS, FP32 accumulation)";
 constexpr int kLanes = 16;
 using Elem = uint32_t;  // a pair of BF16 codes
 
+// One MR-row strip x NV column tiles over the K blocks [kb0, kb1). The block sums P live in MR * NV registers
+// (enough independent VDPBF16PS chains to hide their latency); the scaled accumulation goes through the output tile
+// c: written at block 0, read and written at the later ones (acc = fma(P, sa * sb, acc), the same per element as
+// in registers). ap: row m0's packed pairs (rows apart by kp/2); bp: tile t0's packed pairs (tiles apart by
+// kp/2 * 16); sa: row m0's scales [nkb] (rows apart by nkb); sbp: tile t0's scales [nkb][16] (tiles apart by
+// nkb * 16).
 template <int MR, int NV>
 void micro(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, int64_t ldc, int64_t ncols,
-           const Shape& s) {
-  // ap: row m0's packed pairs (rows apart by kp/2); bp: tile t0's packed pairs (tiles apart by kp/2 * 16);
-  // sa: row m0's scales [nkb] (rows apart by nkb); sbp: tile t0's scales [nkb][16] (tiles apart by nkb * 16)
+           const Shape& s, int64_t kb0, int64_t kb1) {
   const int64_t pairs = s.kp / 2, bstride = pairs * kLanes, half = s.block_pad / 2;
-  __m512 acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t kb = 0; kb < s.nkb; ++kb) {
+  __mmask16 mask[NV];
+  UNROLL
+  for (int v = 0; v < NV; ++v) {
+    const int64_t left = ncols - v * kLanes;
+    mask[v] = left >= kLanes ? static_cast<__mmask16>(0xFFFF)
+                             : static_cast<__mmask16>(left > 0 ? (1u << left) - 1 : 0u);
+  }
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
     __m512 part[MR][NV];
+    UNROLL
     for (int r = 0; r < MR; ++r)
+      UNROLL
       for (int v = 0; v < NV; ++v) part[r][v] = _mm512_setzero_ps();
     const int64_t p0 = kb * half, p1 = p0 + (block_len(s, kb) + 1) / 2;
     for (int64_t p = p0; p < p1; ++p) {
       __m512i bv[NV];
+      UNROLL
       for (int v = 0; v < NV; ++v)
         bv[v] = _mm512_loadu_si512(reinterpret_cast<const void*>(bp + v * bstride + p * kLanes));
+      UNROLL
       for (int r = 0; r < MR; ++r) {
         const __m512i av = _mm512_set1_epi32(static_cast<int>(ap[r * pairs + p]));
+        UNROLL
         for (int v = 0; v < NV; ++v)
           part[r][v] = _mm512_dpbf16_ps(part[r][v], (__m512bh)av, (__m512bh)bv[v]);
       }
     }
+    UNROLL
     for (int v = 0; v < NV; ++v) {
       const __m512 sb = _mm512_loadu_ps(sbp + (v * s.nkb + kb) * kLanes);
+      UNROLL
       for (int r = 0; r < MR; ++r) {
         const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sa[r * s.nkb + kb]), sb);
-        acc[r][v] = _mm512_fmadd_ps(part[r][v], scale, acc[r][v]);
+        float* out = c + r * ldc + v * kLanes;
+        const __m512 prev = kb == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[v], out);
+        _mm512_mask_storeu_ps(out, mask[v], _mm512_fmadd_ps(part[r][v], scale, prev));
       }
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t left = ncols - v * kLanes;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(c + r * ldc + v * kLanes, mask, acc[r][v]);
-  }
 }
 
-constexpr int kMaxMR = 6;
+constexpr int kMaxMR = 8;
 #elif defined(__AVX2__)
 constexpr const char* kPath = "fp32 (AVX2 FMA; no BF16 units)";
 constexpr int kLanes = 8;
 using Elem = float;
 
+// The FP32 path, same contract as above: 16 ymm registers, the block sums P in MR * NV of them; columns past ncols
+// (the last tile's padding) go through a small buffer.
 template <int MR, int NV>
 void micro(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, int64_t ldc, int64_t ncols,
-           const Shape& s) {
-  // 16 ymm registers: the block sums P live in MR * NV of them; the scaled accumulation goes through an L1 buffer
-  // (the same fma per element as in registers)
+           const Shape& s, int64_t kb0, int64_t kb1) {
   const int64_t bstride = s.kp * kLanes;
-  alignas(32) float acc[MR][NV][kLanes] = {};
-  for (int64_t kb = 0; kb < s.nkb; ++kb) {
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
     __m256 part[MR][NV];
+    UNROLL
     for (int r = 0; r < MR; ++r)
+      UNROLL
       for (int v = 0; v < NV; ++v) part[r][v] = _mm256_setzero_ps();
     const int64_t c0 = kb * s.block_pad, c1 = c0 + block_len(s, kb);
     for (int64_t col = c0; col < c1; ++col) {
       __m256 bv[NV];
+      UNROLL
       for (int v = 0; v < NV; ++v) bv[v] = _mm256_loadu_ps(bp + v * bstride + col * kLanes);
+      UNROLL
       for (int r = 0; r < MR; ++r) {
         const __m256 av = _mm256_broadcast_ss(ap + r * s.kp + col);
+        UNROLL
         for (int v = 0; v < NV; ++v) part[r][v] = _mm256_fmadd_ps(av, bv[v], part[r][v]);
       }
     }
+    UNROLL
     for (int v = 0; v < NV; ++v) {
+      const int64_t left = std::min<int64_t>(ncols - v * kLanes, kLanes);
+      if (left <= 0) break;
       const __m256 sb = _mm256_loadu_ps(sbp + (v * s.nkb + kb) * kLanes);
+      UNROLL
       for (int r = 0; r < MR; ++r) {
         const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(sa[r * s.nkb + kb]), sb);
-        _mm256_store_ps(acc[r][v], _mm256_fmadd_ps(part[r][v], scale, _mm256_load_ps(acc[r][v])));
+        float* out = c + r * ldc + v * kLanes;
+        alignas(32) float buf[kLanes] = {};
+        if (kb != 0) std::memcpy(buf, out, sizeof(float) * left);
+        const __m256 prev = left == kLanes ? (kb == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out)) : _mm256_load_ps(buf);
+        const __m256 res = _mm256_fmadd_ps(part[r][v], scale, prev);
+        if (left == kLanes) {
+          _mm256_storeu_ps(out, res);
+        } else {
+          _mm256_store_ps(buf, res);
+          std::memcpy(out, buf, sizeof(float) * left);
+        }
       }
     }
-  }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t left = std::min<int64_t>(ncols - v * kLanes, kLanes);
-    if (left <= 0) break;
-    for (int r = 0; r < MR; ++r) std::memcpy(c + r * ldc + v * kLanes, acc[r][v], sizeof(float) * left);
   }
 }
 
@@ -225,39 +251,77 @@ void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, V
 }
 
 // Column tiles per micro-kernel call for an MR-row strip: more for short strips (decode), where the FMA / VDPBF16PS
-// latency of too few independent sums would bound the speed. Each output's instruction sequence is the same
-// whatever the width, so this choice does not change a bit.
+// latency of too few independent sums would bound the speed; each a divisor of kChunkTiles. Each output's
+// instruction sequence is the same whatever the width, so this choice does not change a bit.
 template <int MR>
 constexpr int nv_for() {
 #if defined(__AVX512BF16__)
-  return MR <= 1 ? 8 : MR <= 2 ? 6 : 2;
+  return MR <= 1 ? 12 : MR <= 3 ? 6 : MR <= 6 ? 4 : 3;
 #else
   return MR <= 1 ? 6 : MR <= 2 ? 4 : 2;
 #endif
 }
 
+constexpr int64_t kChunkTiles = 12;    // column tiles per work item (a multiple of every nv_for width)
+constexpr int64_t kBlockRows = 32 * kMaxMR;  // rows per work item
+
+inline int64_t b_tile_stride(const Shape& s) {
+  return (std::is_same<Elem, float>::value ? s.kp : s.kp / 2) * kLanes;
+}
+
+// One MR-row strip against tiles [t0, t0 + ntiles) over the K blocks [kb0, kb1).
 template <int MR>
 void rows(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, const Shape& s,
-          int64_t t0, int64_t ntiles) {
-  // one MR-row strip against tiles [t0, t0 + ntiles) of kLanes columns
+          int64_t t0, int64_t ntiles, int64_t kb0, int64_t kb1) {
   constexpr int NV = nv_for<MR>();
-  const int64_t bstride = (std::is_same<Elem, float>::value ? s.kp : s.kp / 2) * kLanes;
+  const int64_t bstride = b_tile_stride(s);
   int64_t t = t0;
   for (; t + NV <= t0 + ntiles; t += NV)
     micro<MR, NV>(ap, bp + t * bstride, sa, sbp + t * s.nkb * kLanes, c + t * kLanes, s.n,
-                  std::min<int64_t>(NV * kLanes, s.n - t * kLanes), s);
+                  std::min<int64_t>(NV * kLanes, s.n - t * kLanes), s, kb0, kb1);
   for (; t < t0 + ntiles; ++t)
     micro<MR, 1>(ap, bp + t * bstride, sa, sbp + t * s.nkb * kLanes, c + t * kLanes, s.n,
-                 std::min<int64_t>(kLanes, s.n - t * kLanes), s);
+                 std::min<int64_t>(kLanes, s.n - t * kLanes), s, kb0, kb1);
 }
 
 template <int MR>
 void strip(int mr, const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, const Shape& s,
-           int64_t t0, int64_t ntiles) {
+           int64_t t0, int64_t ntiles, int64_t kb0, int64_t kb1) {
   if constexpr (MR > 1) {
-    if (mr < MR) return strip<MR - 1>(mr, ap, bp, sa, sbp, c, s, t0, ntiles);
+    if (mr < MR) return strip<MR - 1>(mr, ap, bp, sa, sbp, c, s, t0, ntiles, kb0, kb1);
   }
-  rows<MR>(ap, bp, sa, sbp, c, s, t0, ntiles);
+  rows<MR>(ap, bp, sa, sbp, c, s, t0, ntiles, kb0, kb1);
+}
+
+// One work item: rows [m0, m1) x tiles [t0, t0 + ntiles), all K blocks. K blocks outermost, then panels of NV
+// tiles, then the full strips: a panel's block of B (NV tiles x one K block, 12 KB) stays in L1 while every strip
+// of the item passes over it, and the item's outputs stay in L2 between blocks. Every output element still gets
+// its blocks in increasing order, each block's sum from zero: the result does not depend on this order.
+void item(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, float* c, const Shape& s, int64_t m0,
+          int64_t m1, int64_t t0, int64_t ntiles) {
+  constexpr int NV = nv_for<kMaxMR>();
+  const int64_t per_row = s.kp * static_cast<int64_t>(sizeof(Value)) / static_cast<int64_t>(sizeof(Elem));
+  const int64_t bstride = b_tile_stride(s);
+  const int64_t full = (m1 - m0) / kMaxMR, rest = (m1 - m0) % kMaxMR;
+  for (int64_t kb = 0; kb < s.nkb; ++kb) {
+    for (int64_t t = t0; t < t0 + ntiles; t += NV) {
+      const int64_t width = std::min<int64_t>(NV, t0 + ntiles - t);
+      for (int64_t st = 0; st < full; ++st) {
+        const int64_t r0 = m0 + st * kMaxMR;
+        if (width == NV)
+          micro<kMaxMR, NV>(ap + r0 * per_row, bp + t * bstride, sa + r0 * s.nkb, sbp + t * s.nkb * kLanes,
+                            c + r0 * s.n + t * kLanes, s.n, std::min<int64_t>(NV * kLanes, s.n - t * kLanes), s, kb,
+                            kb + 1);
+        else
+          rows<kMaxMR>(ap + r0 * per_row, bp, sa + r0 * s.nkb, sbp, c + r0 * s.n, s, t, width, kb, kb + 1);
+      }
+    }
+    if (rest) {
+      const int64_t r0 = m0 + full * kMaxMR;
+      strip<kMaxMR>(static_cast<int>(rest), ap + r0 * per_row, bp, sa + r0 * s.nkb, sbp, c + r0 * s.n, s, t0, ntiles,
+                    kb, kb + 1);
+    }
+  }
 }
 
 int fmt_index(int64_t fmt) {
@@ -326,28 +390,26 @@ at::Tensor fp8_gemm_packed(const at::Tensor& a, int64_t a_fmt, const at::Tensor&
               && b_scales.is_contiguous() && b_values.element_size() == static_cast<int64_t>(sizeof(Value)),
               "fp8_gemm_packed: the packed weight does not match N = ", n, ", K = ", s.k, ", block = ", s.block,
               " (pack it with fp8_pack in this process)");
-  auto out = at::zeros({s.m, s.n}, a.options().dtype(at::kFloat));
-  if (s.m == 0 || s.n == 0 || s.nkb == 0) return out;
+  if (s.m == 0 || s.n == 0 || s.nkb == 0) return at::zeros({s.m, s.n}, a.options().dtype(at::kFloat));
+  auto out = at::empty({s.m, s.n}, a.options().dtype(at::kFloat));  // every element is written by its micro call
   std::vector<Value> ap(static_cast<size_t>(s.m * s.kp));
   pack_a(a.data_ptr<uint8_t>(), a.stride(0), a.stride(1), fmt_index(a_fmt), s, ap.data());
   const int64_t ntiles = (s.n + kLanes - 1) / kLanes;
-  const int64_t per_row = s.kp * static_cast<int64_t>(sizeof(Value)) / static_cast<int64_t>(sizeof(Elem));
-  // work items: (strip of kMaxMR rows) x (group of column tiles); each output element is computed by one item with
-  // the same instruction sequence whatever the split
-  const int64_t strips = (s.m + kMaxMR - 1) / kMaxMR;
-  const int64_t tiles_per_item = 24;  // a multiple of every nv_for width
-  const int64_t groups = (ntiles + tiles_per_item - 1) / tiles_per_item;
+  // work items: (block of kBlockRows rows) x (chunk of kChunkTiles column tiles), consecutive items sharing a chunk
+  // (its B stays in L2); each output element is computed by one item with the same instruction sequence whatever
+  // the split
+  const int64_t mblocks = (s.m + kBlockRows - 1) / kBlockRows, chunks = (ntiles + kChunkTiles - 1) / kChunkTiles;
   const Elem* apd = reinterpret_cast<const Elem*>(ap.data());
   const Elem* bpd = reinterpret_cast<const Elem*>(b_values.data_ptr());
   const float* sad = sa.data_ptr<float>();
   const float* sbp = b_scales.data_ptr<float>();
   float* c = out.data_ptr<float>();
-  at::parallel_for(0, strips * groups, kGrain, [&](int64_t lo, int64_t hi) {
-    for (int64_t item = lo; item < hi; ++item) {
-      const int64_t g = item / strips, st = item % strips;
-      const int64_t m0 = st * kMaxMR, mr = std::min<int64_t>(kMaxMR, s.m - m0);
-      const int64_t t0 = g * tiles_per_item, nt = std::min(tiles_per_item, ntiles - t0);
-      strip<kMaxMR>(static_cast<int>(mr), apd + m0 * per_row, bpd, sad + m0 * s.nkb, sbp, c + m0 * s.n, s, t0, nt);
+  at::parallel_for(0, mblocks * chunks, kGrain, [&](int64_t lo, int64_t hi) {
+    for (int64_t it = lo; it < hi; ++it) {
+      const int64_t g = it / mblocks, mb = it % mblocks;
+      const int64_t m0 = mb * kBlockRows, m1 = std::min(s.m, m0 + kBlockRows);
+      const int64_t t0 = g * kChunkTiles, nt = std::min(kChunkTiles, ntiles - t0);
+      item(apd, bpd, sad, sbp, c, s, m0, m1, t0, nt);
     }
   });
   return out;

@@ -210,8 +210,25 @@ std::vector<torch::Tensor> quantize_tiles(torch::Tensor x, int64_t gr, int64_t g
 std::string fp8_gemm_path();  // gemm.cpp: the GEMM path this build compiled
 int64_t fp8_gemm_lanes();  // gemm.cpp: output columns per packed tile
 
+// How many threads at::parallel_for runs this build's loops on: ATen's OpenMP backend expands the parallel region
+// inside the extension's own code, so a build without -fopenmp runs every kernel of this file and gemm.cpp on one
+// thread, whatever torch.get_num_threads() says. 64 items of a little work each; the distinct thread ids counted.
+int64_t parallel_width() {
+  std::vector<int> seen(64, -1);
+  at::parallel_for(0, 64, 1, [&](int64_t lo, int64_t hi) {
+    volatile double sink = 0;
+    for (int64_t i = lo; i < hi; ++i) {
+      for (int j = 0; j < 20000; ++j) sink = sink + j;
+      seen[i] = at::get_thread_num();
+    }
+  });
+  std::sort(seen.begin(), seen.end());
+  return std::unique(seen.begin(), seen.end()) - seen.begin();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("quantize_tiles", &quantize_tiles, "fused FP8 quantize (+ dequantize) over tiles of gr x gc elements");
   mod.def("fp8_gemm_path", &fp8_gemm_path, "the FP8 GEMM path of this build (torch.ops.fp8core.fp8_gemm)");
   mod.def("fp8_gemm_lanes", &fp8_gemm_lanes, "output columns per packed weight tile of this build");
+  mod.def("parallel_width", &parallel_width, "threads at::parallel_for uses in this build (1 without OpenMP)");
 }

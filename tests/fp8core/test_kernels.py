@@ -127,6 +127,19 @@ def test_kernel_faster_than_torch_path_is_not_asserted_but_choice_is_reported():
     assert kernels.build_root().exists()
 
 
+def test_the_kernels_run_on_torchs_threads():
+    """Built with OpenMP: the kernels' parallel loops (the quantizer's, the FP8 GEMM's) run on torch's thread count.
+    ATen's parallel_for opens its OpenMP region in the extension's own code, so a build without -fopenmp ran every
+    kernel on one thread whatever torch.get_num_threads() said (the FP8 GEMM took as long on 2 threads as on 1)."""
+    old = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert kernels.parallel_width() == n
+    finally:
+        torch.set_num_threads(old)
+
+
 def _run(env_extra: dict) -> subprocess.CompletedProcess:
     env = {**os.environ, **env_extra}
     code = "from fp8core import kernels; print(kernels.describe())"
