@@ -73,6 +73,7 @@ __all__ = [
     "expand_scale",
     "quantize",
     "quantize_dequantize",
+    "quantize_columns",
     "quantize_dequantize_columns",
     "quantize_reference",
 ]
@@ -499,6 +500,28 @@ def quantize_dequantize_columns(x: torch.Tensor, granularity: str, *, fmt: str =
         return fused[0]
     with _SingleThread():
         return _columns(x, granularity, fmt, pow2)
+
+
+def quantize_columns(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool = False) -> QuantizedTensor:
+    """``quantize(x.t(), granularity)`` for 2-D ``x [T, K]``, bit for bit, computed in ``x``'s own layout: the codes
+    as the transposed view ``[K, T]`` of a ``[T, K]`` tensor (the CPU FP8 GEMM reads any strides), the scales as
+    ``quantize(x.t())`` has them. The wgrad GEMM's operands are quantized along tokens; gathering ``x``'s columns
+    into a contiguous ``x.t()`` first costs more than the quantization itself. Where the fused kernel is not in use,
+    ``quantize(x.t().contiguous())``."""
+    _check_input(x, granularity, fmt)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_columns: x must be 2-D, got shape {tuple(x.shape)}")
+    x = x.detach()
+    if granularity in ("tensorwise", "block128") or x.numel() == 0:  # transpose-symmetric groupings
+        q = quantize(x, granularity, fmt=fmt, pow2=pow2)
+        return q.t() if x.numel() else quantize(x.t(), granularity, fmt=fmt, pow2=pow2)
+    t = x.shape[0]
+    fused = _fused(x, (GROUP if granularity == "group128" else max(t, 1), 1), fmt=fmt, pow2=pow2, want_dq=False,
+                   want_data=True)
+    if fused is None:
+        return quantize(x.t().contiguous(), granularity, fmt=fmt, pow2=pow2)
+    _, data, scale = fused  # data [T, K]; scale [groups along T, K]
+    return QuantizedTensor(data.t(), scale.t().contiguous(), granularity, fmt)
 
 
 def _tile(granularity: str, shape2d) -> tuple[int, int]:

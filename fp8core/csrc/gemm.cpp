@@ -218,17 +218,32 @@ inline int64_t b_index(const Shape& s, int64_t tile, int64_t i, int64_t c) { ret
 #endif
 static_assert(sizeof(Elem) == 2 * sizeof(Value) || std::is_same<Elem, Value>::value, "element layout");
 
+// Both packers read any strides (the wgrad operands are transposed views of row-major codes), in an order that
+// keeps the source lines they share in L1, so neither a gather of columns nor a transposed copy is needed.
 void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, Value* out) {
   const Value* t = value_table(fmt);
-  at::parallel_for(0, s.m, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      Value* row = out + r * s.kp;
-      std::fill(row, row + s.kp, Value(0));
+  constexpr int64_t kRows = 64;
+  at::parallel_for(0, (s.m + kRows - 1) / kRows, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t rt = lo; rt < hi; ++rt) {
+      const int64_t r0 = rt * kRows, r1 = std::min(s.m, r0 + kRows);
+      for (int64_t r = r0; r < r1; ++r) std::fill(out + r * s.kp, out + (r + 1) * s.kp, Value(0));
       for (int64_t kb = 0; kb < s.nkb; ++kb) {
         const int64_t len = block_len(s, kb);
-        const uint8_t* src = a + r * s0 + kb * s.block * s1;
-        Value* dst = row + kb * s.block_pad;
-        for (int64_t j = 0; j < len; ++j) dst[j] = t[src[j * s1]];
+        const uint8_t* src = a + kb * s.block * s1;
+        Value* dst = out + kb * s.block_pad;
+        if (s1 == 1) {
+          for (int64_t r = r0; r < r1; ++r)
+            for (int64_t j = 0; j < len; ++j) dst[r * s.kp + j] = t[src[r * s0 + j]];
+        } else {  // through an L1 tile: the rows of dst lie kp apart (often a multiple of 4 KB: one cache set)
+          constexpr int64_t kCols = 64;
+          Value tile[kRows][kCols];
+          for (int64_t j0 = 0; j0 < len; j0 += kCols) {
+            const int64_t j1 = std::min(len, j0 + kCols);
+            for (int64_t j = j0; j < j1; ++j)
+              for (int64_t r = r0; r < r1; ++r) tile[r - r0][j - j0] = t[src[r * s0 + j * s1]];
+            for (int64_t r = r0; r < r1; ++r) std::memcpy(dst + r * s.kp + j0, tile[r - r0], (j1 - j0) * sizeof(Value));
+          }
+        }
       }
     }
   });
@@ -237,16 +252,21 @@ void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, V
 void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, Value* out) {
   const Value* t = value_table(fmt);
   const int64_t ntiles = (s.n + kLanes - 1) / kLanes;
-  std::fill(out, out + ntiles * s.kp * kLanes, Value(0));
   at::parallel_for(0, ntiles, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t tile = lo; tile < hi; ++tile)
-      for (int64_t i = 0; i < kLanes && tile * kLanes + i < s.n; ++i) {
-        const uint8_t* row = b + (tile * kLanes + i) * s0;
-        for (int64_t kb = 0; kb < s.nkb; ++kb) {
-          const int64_t len = block_len(s, kb);
-          for (int64_t j = 0; j < len; ++j) out[b_index(s, tile, i, kb * s.block_pad + j)] = t[row[(kb * s.block + j) * s1]];
+    for (int64_t tile = lo; tile < hi; ++tile) {
+      Value* tout = out + b_index(s, tile, 0, 0);
+      std::fill(tout, tout + s.kp * kLanes, Value(0));
+      const int64_t lanes = std::min<int64_t>(kLanes, s.n - tile * kLanes);
+      for (int64_t kb = 0; kb < s.nkb; ++kb) {
+        const int64_t len = block_len(s, kb);
+        // column by column: the tile's kLanes source rows stay in L1 for a row-major source, and the writes run
+        // in order through the packed tile
+        for (int64_t j = 0; j < len; ++j) {
+          const uint8_t* col = b + tile * kLanes * s0 + (kb * s.block + j) * s1;
+          for (int64_t i = 0; i < lanes; ++i) out[b_index(s, tile, i, kb * s.block_pad + j)] = t[col[i * s0]];
         }
       }
+    }
   });
 }
 
@@ -263,7 +283,7 @@ constexpr int nv_for() {
 }
 
 constexpr int64_t kChunkTiles = 12;    // column tiles per work item (a multiple of every nv_for width)
-constexpr int64_t kBlockRows = 32 * kMaxMR;  // rows per work item
+constexpr int64_t kBlockRows = 32 * kMaxMR;  // rows per work item (halved while items are few: a multiple of kMaxMR)
 
 inline int64_t b_tile_stride(const Shape& s) {
   return (std::is_same<Elem, float>::value ? s.kp : s.kp / 2) * kLanes;
@@ -398,7 +418,11 @@ at::Tensor fp8_gemm_packed(const at::Tensor& a, int64_t a_fmt, const at::Tensor&
   // work items: (block of kBlockRows rows) x (chunk of kChunkTiles column tiles), consecutive items sharing a chunk
   // (its B stays in L2); each output element is computed by one item with the same instruction sequence whatever
   // the split
-  const int64_t mblocks = (s.m + kBlockRows - 1) / kBlockRows, chunks = (ntiles + kChunkTiles - 1) / kChunkTiles;
+  const int64_t chunks = (ntiles + kChunkTiles - 1) / kChunkTiles;
+  int64_t block_rows = kBlockRows;  // fewer rows per item where there are too few items for the threads
+  while (block_rows > kMaxMR && (s.m + block_rows - 1) / block_rows * chunks < 4 * at::get_num_threads())
+    block_rows /= 2;
+  const int64_t mblocks = (s.m + block_rows - 1) / block_rows;
   const Elem* apd = reinterpret_cast<const Elem*>(ap.data());
   const Elem* bpd = reinterpret_cast<const Elem*>(b_values.data_ptr());
   const float* sad = sa.data_ptr<float>();
@@ -407,7 +431,7 @@ at::Tensor fp8_gemm_packed(const at::Tensor& a, int64_t a_fmt, const at::Tensor&
   at::parallel_for(0, mblocks * chunks, kGrain, [&](int64_t lo, int64_t hi) {
     for (int64_t it = lo; it < hi; ++it) {
       const int64_t g = it / mblocks, mb = it % mblocks;
-      const int64_t m0 = mb * kBlockRows, m1 = std::min(s.m, m0 + kBlockRows);
+      const int64_t m0 = mb * block_rows, m1 = std::min(s.m, m0 + block_rows);
       const int64_t t0 = g * kChunkTiles, nt = std::min(kChunkTiles, ntiles - t0);
       item(apd, bpd, sad, sbp, c, s, m0, m1, t0, nt);
     }

@@ -310,6 +310,7 @@ def test_property_round_trip_relative_to_group_amax(m, k, granularity, fmt, pow2
 # ------------------------------------------------------------------ fast paths == the plain reference, bit for bit
 from fp8core import quant as _quant  # noqa: E402
 from fp8core.quant import (  # noqa: E402
+    quantize_columns,
     quantize_dequantize,
     quantize_dequantize_columns,
     quantize_reference,
@@ -342,6 +343,22 @@ def _edge_matrix(m: int, k: int, fmt: str, seed: int = 0) -> torch.Tensor:
 
 
 SHAPES_2D = [(1, 1), (3, 5), (7, 129), (130, 200), (257, 128), (300, 1000)]
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_columns_is_quantize_of_the_transpose(granularity, fmt, pow2, dtype):
+    """quantize_columns(x) (the wgrad operands, quantized along tokens in x's own layout) equals quantize(x.t()) bit
+    for bit, codes and scales, on every shape and the edge table (the edge rows become edge columns)."""
+    for m, k in SHAPES_2D:
+        x = _edge_matrix(k, m, fmt).t().contiguous().to(dtype)  # [m, k]: the edge rows of x.t()
+        ref = quantize_reference(x.t(), granularity, fmt=fmt, pow2=pow2)
+        got = quantize_columns(x, granularity, fmt=fmt, pow2=pow2)
+        assert got.data.shape == ref.data.shape and got.granularity == granularity, (m, k)
+        assert torch.equal(_bits(got.data.contiguous()), _bits(ref.data)), (m, k)
+        assert torch.equal(_bits(got.scale), _bits(ref.scale)), (m, k)
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
