@@ -218,10 +218,57 @@ inline int64_t b_index(const Shape& s, int64_t tile, int64_t i, int64_t c) { ret
 #endif
 static_assert(sizeof(Elem) == 2 * sizeof(Value) || std::is_same<Elem, Value>::value, "element layout");
 
+// dst[j] = the value of FP8 code src[j] (value_table's entry, exactly), j < n, vectorized: a finite normal code's
+// magnitude bits shifted into place plus the exponent-bias difference; subnormals and zero from the first table
+// entries (a lane permute); a chunk holding a NaN / infinity code (never in quantized data) through the table.
+inline void convert_run(const uint8_t* src, int64_t n, int fmt, Value* dst) {
+  const Value* t = value_table(fmt);
+  const int sub_limit = fmt == 0 ? 0x08 : 0x04, special = fmt == 0 ? 0x7F : 0x7C;
+  int64_t j = 0;
+#if defined(__AVX512BF16__)
+  const __m512i bias = _mm512_set1_epi16(static_cast<int16_t>(fmt == 0 ? 120 << 7 : 112 << 7));
+  const __m512i low = _mm512_loadu_si512(reinterpret_cast<const void*>(t));  // entries 0..31
+  const __m512i m7f = _mm512_set1_epi16(0x7F), m80 = _mm512_set1_epi16(0x80);
+  const __m512i lim = _mm512_set1_epi16(static_cast<int16_t>(sub_limit));
+  const __m512i spec = _mm512_set1_epi16(static_cast<int16_t>(special));
+  for (; j + 32 <= n; j += 32) {
+    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
+    const __m512i mag = _mm512_and_si512(c, m7f);
+    if (_mm512_cmpge_epu16_mask(mag, spec)) {
+      for (int64_t k = j; k < j + 32; ++k) dst[k] = t[src[k]];
+      continue;
+    }
+    __m512i v = _mm512_add_epi16(fmt == 0 ? _mm512_slli_epi16(mag, 4) : _mm512_slli_epi16(mag, 5), bias);
+    v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, lim), mag, low);
+    v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(c, m80), 8));
+    _mm512_storeu_si512(reinterpret_cast<void*>(dst + j), v);
+  }
+#else
+  const __m256i bias = _mm256_set1_epi32(fmt == 0 ? 120 << 23 : 112 << 23);
+  const __m256 low = _mm256_loadu_ps(t);  // entries 0..7
+  const __m256i m7f = _mm256_set1_epi32(0x7F), m80 = _mm256_set1_epi32(0x80);
+  const __m256i lim = _mm256_set1_epi32(sub_limit), spec = _mm256_set1_epi32(special - 1);
+  for (; j + 8 <= n; j += 8) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j)));
+    const __m256i mag = _mm256_and_si256(c, m7f);
+    if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(mag, spec))) {
+      for (int64_t k = j; k < j + 8; ++k) dst[k] = t[src[k]];
+      continue;
+    }
+    const __m256i normal = _mm256_add_epi32(fmt == 0 ? _mm256_slli_epi32(mag, 20) : _mm256_slli_epi32(mag, 21), bias);
+    const __m256 sub = _mm256_permutevar8x32_ps(low, mag);
+    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, mag));
+    __m256 v = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, is_sub);
+    v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, m80), 24)));
+    _mm256_storeu_ps(dst + j, v);
+  }
+#endif
+  for (; j < n; ++j) dst[j] = t[src[j]];
+}
+
 // Both packers read any strides (the wgrad operands are transposed views of row-major codes), in an order that
 // keeps the source lines they share in L1, so neither a gather of columns nor a transposed copy is needed.
 void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, Value* out) {
-  const Value* t = value_table(fmt);
   constexpr int64_t kRows = 64;
   at::parallel_for(0, (s.m + kRows - 1) / kRows, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t rt = lo; rt < hi; ++rt) {
@@ -232,16 +279,15 @@ void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, V
         const uint8_t* src = a + kb * s.block * s1;
         Value* dst = out + kb * s.block_pad;
         if (s1 == 1) {
-          for (int64_t r = r0; r < r1; ++r)
-            for (int64_t j = 0; j < len; ++j) dst[r * s.kp + j] = t[src[r * s0 + j]];
-        } else {  // through an L1 tile: the rows of dst lie kp apart (often a multiple of 4 KB: one cache set)
+          for (int64_t r = r0; r < r1; ++r) convert_run(src + r * s0, len, fmt, dst + r * s.kp);
+        } else {  // the codes through an L1 tile: the rows of dst lie kp apart (often a multiple of 4 KB: one set)
           constexpr int64_t kCols = 64;
-          Value tile[kRows][kCols];
+          uint8_t tile[kRows][kCols];
           for (int64_t j0 = 0; j0 < len; j0 += kCols) {
             const int64_t j1 = std::min(len, j0 + kCols);
             for (int64_t j = j0; j < j1; ++j)
-              for (int64_t r = r0; r < r1; ++r) tile[r - r0][j - j0] = t[src[r * s0 + j * s1]];
-            for (int64_t r = r0; r < r1; ++r) std::memcpy(dst + r * s.kp + j0, tile[r - r0], (j1 - j0) * sizeof(Value));
+              for (int64_t r = r0; r < r1; ++r) tile[r - r0][j - j0] = src[r * s0 + j * s1];
+            for (int64_t r = r0; r < r1; ++r) convert_run(tile[r - r0], j1 - j0, fmt, dst + r * s.kp + j0);
           }
         }
       }
@@ -250,7 +296,6 @@ void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, V
 }
 
 void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, Value* out) {
-  const Value* t = value_table(fmt);
   const int64_t ntiles = (s.n + kLanes - 1) / kLanes;
   at::parallel_for(0, ntiles, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t tile = lo; tile < hi; ++tile) {
@@ -259,11 +304,24 @@ void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, V
       const int64_t lanes = std::min<int64_t>(kLanes, s.n - tile * kLanes);
       for (int64_t kb = 0; kb < s.nkb; ++kb) {
         const int64_t len = block_len(s, kb);
-        // column by column: the tile's kLanes source rows stay in L1 for a row-major source, and the writes run
-        // in order through the packed tile
-        for (int64_t j = 0; j < len; ++j) {
-          const uint8_t* col = b + tile * kLanes * s0 + (kb * s.block + j) * s1;
-          for (int64_t i = 0; i < lanes; ++i) out[b_index(s, tile, i, kb * s.block_pad + j)] = t[col[i * s0]];
+        // 128 columns at a time: the tile's codes gathered into L1 (kLanes source rows, any strides), converted
+        // row by row, then written in order through the packed tile
+        constexpr int64_t kCols = 128;
+        uint8_t codes[kLanes][kCols];
+        Value vals[kLanes][kCols];
+        for (int64_t j0 = 0; j0 < len; j0 += kCols) {
+          const int64_t j1 = std::min(len, j0 + kCols);
+          const uint8_t* src = b + tile * kLanes * s0 + (kb * s.block + j0) * s1;
+          for (int64_t i = 0; i < lanes; ++i) {
+            if (s1 == 1) {
+              convert_run(src + i * s0, j1 - j0, fmt, vals[i]);
+            } else {
+              for (int64_t j = 0; j < j1 - j0; ++j) codes[i][j] = src[i * s0 + j * s1];
+              convert_run(codes[i], j1 - j0, fmt, vals[i]);
+            }
+          }
+          for (int64_t j = j0; j < j1; ++j)
+            for (int64_t i = 0; i < lanes; ++i) out[b_index(s, tile, i, kb * s.block_pad + j)] = vals[i][j - j0];
         }
       }
     }

@@ -70,6 +70,36 @@ def test_every_code_passes_through_the_bf16_units_exactly(fmt):
     assert torch.equal(y[:, 0], values[finite])
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_every_code_in_long_runs_through_both_packers(fmt, strided):
+    """The packers convert codes many at a time (32 per step on BF16 units, 8 on the FP32 path): a cyclic matrix
+    holding every finite code in each row (row-major, or the transposed view the wgrad GEMM passes) times the
+    identity gives every code's value back exactly, on the A side and on the B side; a row with a NaN code is NaN
+    (that run takes the table) and the other rows stay exact."""
+    assert gemm.available(), gemm.path()
+    dt = FP8_DTYPES[fmt]
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[torch.isfinite(codes.view(dt).to(torch.float32))]
+    n = len(finite)
+    idx = (torch.arange(n).unsqueeze(1) + torch.arange(n).unsqueeze(0)) % n
+    cyclic = finite[idx]  # [n, n], every finite code in every row
+    eye = torch.eye(n).to(dt).view(torch.uint8)
+    want = cyclic.view(dt).to(torch.float32)
+    ones = torch.ones(n, 1)
+
+    def operand(x):
+        return x.t().contiguous().t() if strided else x
+
+    a_side = gemm.fp8_gemm_rows(operand(cyclic), fmt, ones, operand(eye), fmt, ones, n)
+    b_side = gemm.fp8_gemm_rows(operand(eye), fmt, ones, operand(cyclic), fmt, ones, n)
+    assert torch.equal(a_side, want) and torch.equal(b_side, want.t())
+    with_nan = cyclic.clone()
+    with_nan[0, 5] = 0x7F if fmt == "e4m3" else 0x7E
+    y = gemm.fp8_gemm_rows(operand(with_nan), fmt, ones, operand(eye), fmt, ones, n)
+    assert bool(y[0].isnan().all()) and torch.equal(y[1:], want[1:])
+
+
 CASES = [  # (a granularity, b granularity, M, N, K): the linear's GEMMs and odd sizes
     ("group128", "block128", 7, 300, 520),   # blockwise fprop, partial last block, N not a multiple of 16
     ("group128", "block128", 64, 256, 1024),
