@@ -13,8 +13,10 @@ def _res():
             "steps": {"bf16": {"median": med(3.0, 0.03), "bf16_mode": "emulated"},
                       "fp8": {"median": med(3.6, 0.06), "bf16_mode": "emulated"}},
             "quantize": {"copy": 10.0, "tensorwise": 2.5, "rowwise": 2.0, "group128": 3.0, "block128": 1.0},
-            "linear": [{"shape": "8x8->8", "fp32_ms": 1.0, "bf16_autocast/fp32": 9.0, "bf16_emulated/fp32": 1.1,
-                        "fp8_blockwise/fp32": 1.2, "fp8_rowwise/fp32": 1.4, "fp8_tensorwise/fp32": 1.3}]}
+            "linear": [{"shape": "8x8->8", "fp32_ms": 1.0, "bf16_native_ms": 0.8, "bf16_autocast/fp32": 9.0,
+                        "bf16_emulated/fp32": 1.1, "fp8_blockwise/fp32": 1.2, "fp8_rowwise/fp32": 1.4,
+                        "fp8_tensorwise/fp32": 1.3, "fp8_blockwise/bf16": 1.5, "fp8_rowwise/bf16": 1.75,
+                        "fp8_tensorwise/bf16": 1.625}]}
 
 
 def test_table_ratios():
@@ -24,7 +26,7 @@ def test_table_ratios():
     assert "| P3: FP8 step / BF16 step | 1.20 |" in t
     assert "| refit share of the fp8 step | 1.7% |" in t
     assert "quantize tensorwise: GB/s / copy GB/s (2.50 / 10.00) | 25% |" in t
-    assert "FP8 (worst recipe) / FP32 (FP32 1.0 ms) | 1.40 |" in t
+    assert "FP8 (worst recipe) / native BF16 linear (BF16 0.8 ms, FP32 1.0 ms) | 1.75 |" in t
     without_trl = B.table({**_res(), "trl": None})
     assert "| P1 bf16: project step / TRL step | n/a |" in without_trl
     assert "not measured (--flow-steps 0)" in t
@@ -58,6 +60,7 @@ def test_numerics_sections_run():
     assert set(q) == {"copy", "tensorwise", "rowwise", "group128", "block128"} and min(q.values()) > 0
     (lin,) = B.bench_linear([(64, 128, 128)], reps=1)
     assert lin["shape"] == "64x128->128" and lin["fp8_blockwise/fp32"] > 0 and lin["bf16_emulated/fp32"] > 0
+    assert lin["fp8_blockwise/bf16"] > 0 and lin["bf16_native_ms"] > 0
 
 
 def test_workload_rows_follow_the_flow(tmp_path):
