@@ -1,6 +1,7 @@
 """What bounds the FP8 engine's rollout on a CPU: the GEMMs an FP8 linear can run on, side by side.
 
-    .venv/bin/python -m bench.gemm                          # the ~25M model's linears, decode and prefill rows
+    .venv/bin/python -m bench.gemm                          # the ~25M model's linears, decode and prefill rows,
+                                                            # and decode rows at 1024 -> 4096 (an 8 MB BF16 weight)
     .venv/bin/python -m bench.gemm --shapes 2560x512x1792 --no-results-doc
 
 For each shape (tokens M x in-features K x out-features N), median wall time over ``--repeats`` calls, with the
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 
 from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result
 
-DEFAULT_SHAPES = "64x512x1792,2560x512x1792,2560x1792x512"
+DEFAULT_SHAPES = "64x512x1792,2560x512x1792,2560x1792x512,8x1024x4096,64x1024x4096"
 DEFAULT_FWD_BWD = "2048x512x1792,2048x1792x512,1024x1024x3072"
 BLOCK = 128
 

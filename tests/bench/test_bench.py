@@ -11,7 +11,8 @@ def _res():
                                "train_fwd_bwd_s": 2.0, "optimizer_s": 0.1, "reward_s": 0.01}
     return {"trl": {"median_step_s": 4.0},
             "steps": {"bf16": {"median": med(3.0, 0.03), "bf16_mode": "emulated"},
-                      "fp8": {"median": med(3.6, 0.06), "bf16_mode": "emulated"}},
+                      "fp8": {"median": med(3.6, 0.06), "bf16_mode": "emulated"},
+                      "bf16_native": {"median": med(2.4, 0.03), "bf16_mode": "native"}},
             "quantize": {"copy": 10.0, "tensorwise": 2.5, "rowwise": 2.0, "group128": 3.0, "block128": 1.0},
             "linear": [{"shape": "8x8->8", "fp32_ms": 1.0, "bf16_native_ms": 0.8, "bf16_autocast/fp32": 9.0,
                         "bf16_emulated/fp32": 1.1, "fp8_blockwise/fp32": 1.2, "fp8_rowwise/fp32": 1.4,
@@ -23,7 +24,9 @@ def test_table_ratios():
     t = B.table(_res())
     assert "| P1 bf16: project step / TRL step | 0.75 |" in t
     assert "| P1 fp8: project step / TRL step | 0.90 |" in t
-    assert "| P3: FP8 step / BF16 step | 1.20 |" in t
+    assert "| P3: FP8 step / BF16 step | 1.20 | <= 1.15 |" in t
+    assert "| project step bf16_native (s; BF16 reference, native BF16 trainer) | 2.40 |" in t
+    assert "| FP8 step / BF16 step with a native BF16 trainer | 1.50 |" in t
     assert "| refit share of the fp8 step | 1.7% |" in t
     assert "quantize tensorwise: GB/s / copy GB/s (2.50 / 10.00) | 25% |" in t
     assert "FP8 (worst recipe) / native BF16 linear (BF16 0.8 ms, FP32 1.0 ms) | 1.75 |" in t
