@@ -131,8 +131,9 @@ def weight_granularity(recipe: str) -> str:
 def resolve_backend(backend: str, device: torch.device) -> str:
     """"auto" -> "scaled_mm" on CUDA devices with FP8 tensor cores (capability >= 8.9), "cpu" on a CPU with BF16
     units (AVX-512 BF16 / AMX; or the meta device) where the CPU FP8 GEMM is loaded, else "emulated". On CPUs
-    without BF16 units the op's FP32 path is row-invariant but slower than torch's FP32 GEMM (1.8-1.9x at the
-    bench.gemm shapes under the AVX2 cap), so auto keeps the emulation there; ``backend="cpu"`` asks for the op
+    without BF16 units the op's FP32 path is row-invariant but not faster than the emulation on a forward +
+    backward (1.05-1.16x at the bench.gemm shapes under the AVX2 cap), so auto keeps the emulation there;
+    ``backend="cpu"`` asks for the op
     anyway. "cpu" where the op does not run is an error."""
     _check_choice(backend, BACKENDS, "backend")
     on_cpu = device.type in ("cpu", "meta")
