@@ -14,12 +14,12 @@ Choice at run time (logged once, at the first use, and reported by :func:`descri
 
 The build targets the CPU kind of :mod:`fp8core.cpu` (``-mavx2 -mfma``, plus ``-mavx512f -mavx512bw -mavx512vl
 -mavx512dq`` on AVX-512 kinds; no ``-march=native``), so a capped process (``FP8GRPO_CPU_CAP=avx2``) runs the AVX2
-build, and the build directory is keyed by kind + source hash + torch version (and where the sources and torch live,
-so checkouts sharing the cache do not rebuild each other's): a cache shared between machines never
-loads code for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno -fopenmp`` and without
-``-ffast-math`` (which would change the rounding); OpenMP because ATen's ``parallel_for`` opens its parallel region
-in the extension's own code (without it every kernel ran on one thread: :func:`parallel_width` tells). Build directory: :func:`build_root`. The first build takes ~30 s on a 2-core
-machine; later loads, in any process, ~0.1 s. A builder killed mid-load (torch keeps a ``lock`` file while it
+build, and the build directory is keyed by kind + source hash + flags + torch version (and where the sources and
+torch live, so checkouts sharing the cache do not rebuild each other's): a cache shared between machines never loads
+code for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno -fopenmp`` and without ``-ffast-math``
+(which would change the rounding); OpenMP because ATen's ``parallel_for`` opens its parallel region in the
+extension's own code (without it every kernel ran on one thread: :func:`parallel_width` tells). Build directory:
+:func:`build_root`. The first build takes ~30 s on a 2-core machine; later loads, in any process, ~0.1 s. A builder killed mid-load (torch keeps a ``lock`` file while it
 loads, even with nothing to rebuild) does not make later processes wait forever: see :func:`_build_lock`.
 """
 from __future__ import annotations
@@ -38,6 +38,9 @@ import torch
 ENV = "FP8GRPO_QDQ_KERNEL"
 MODES = ("auto", "torch", "cpp")
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("qdq.cpp", "gemm.cpp"))
+# -fopenmp: ATen's parallel_for expands its OpenMP region in the extension's code (without the flag every kernel runs
+# on one thread); at run time the process's libgomp (torch's) serves it
+_BASE_CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
 _log = logging.getLogger("fp8core.kernels")
 _lock = threading.Lock()
 _state: dict = {}
@@ -110,7 +113,7 @@ def build_dir() -> Path:
     The hash also covers where the sources and torch live: torch's build.ninja names them by absolute path, so two
     checkouts (or venvs) sharing one directory would rebuild each other's build whenever the other one loads it."""
     kind, flags = _isa_flags()
-    key = "".join(p.read_text() for p in _SOURCES) + kind + " ".join(flags) + " -fopenmp " + torch.__version__
+    key = "".join(p.read_text() for p in _SOURCES) + kind + " ".join([*_BASE_CFLAGS, *flags]) + torch.__version__
     key += "".join(str(p.resolve()) for p in _SOURCES) + str(Path(torch.__file__).resolve().parent)
     tag = hashlib.sha256(key.encode()).hexdigest()[:12]
     return build_root() / f"fp8core_qdq_{kind}_{tag}"
@@ -124,11 +127,8 @@ def _build():
     name = bdir.name
     bdir.mkdir(parents=True, exist_ok=True)
     with _build_lock(bdir):
-        # -fopenmp: ATen's parallel_for expands its OpenMP region in the extension's code (without the flag every
-        # kernel runs on one thread); at run time the process's libgomp (torch's) serves it
-        mod = load_ext(name=name, sources=[str(p) for p in _SOURCES],
-                       extra_cflags=["-O3", "-fno-math-errno", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
-                       build_directory=str(bdir), verbose=False)
+        mod = load_ext(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=[*_BASE_CFLAGS, *flags],
+                       extra_ldflags=["-fopenmp"], build_directory=str(bdir), verbose=False)
     return mod, f"{kind} build {' '.join(flags) or '(generic x86-64)'}"
 
 

@@ -467,12 +467,10 @@ class _FP8LinearFunction(torch.autograd.Function):
                     dx = fp8_mm(dy_q, w_t, backend=ctx.backend)
                 dx = dx.to(x.dtype).reshape(x.shape)
             if ctx.needs_input_grad[1]:
-                if ctx.backend == "cpu":  # quantized along tokens in place (the op reads the transposed views)
-                    dyt_q = quantize_columns(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
-                    xt_q = quantize_columns(x.reshape(-1, k), gran, fmt="e4m3", pow2=cfg.pow2_activation)
-                else:
-                    dyt_q = quantize(dy2.t(), gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
-                    xt_q = quantize(x.reshape(-1, k).t(), gran, fmt="e4m3", pow2=cfg.pow2_activation)
+                # quantize(dy2.t()) / quantize(x.t()), bit for bit, without transposed copies where the fused kernel
+                # runs (the CPU op reads the transposed views; scaled_mm pads them into contiguous operands)
+                dyt_q = quantize_columns(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
+                xt_q = quantize_columns(x.reshape(-1, k), gran, fmt="e4m3", pow2=cfg.pow2_activation)
                 dw = fp8_mm(dyt_q, xt_q, backend=ctx.backend).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.to(torch.float32).sum(0).to(ctx.bias_dtype)

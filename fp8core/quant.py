@@ -494,8 +494,7 @@ def quantize_dequantize_columns(x: torch.Tensor, granularity: str, *, fmt: str =
     x = x.detach()
     if granularity == "tensorwise" or x.numel() == 0:  # elementwise with one scale: transposing commutes
         return quantize_dequantize(x, granularity, fmt=fmt, pow2=pow2)[0]
-    fused = _fused(x, (GROUP if granularity == "group128" else x.shape[0], 1), fmt=fmt, pow2=pow2, want_dq=True,
-                   want_data=False)
+    fused = _fused(x, _column_tile(granularity, x.shape[0]), fmt=fmt, pow2=pow2, want_dq=True, want_data=False)
     if fused is not None:
         return fused[0]
     with _SingleThread():
@@ -512,16 +511,21 @@ def quantize_columns(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", po
     if x.dim() != 2:
         raise ValueError(f"quantize_columns: x must be 2-D, got shape {tuple(x.shape)}")
     x = x.detach()
-    if granularity in ("tensorwise", "block128") or x.numel() == 0:  # transpose-symmetric groupings
-        q = quantize(x, granularity, fmt=fmt, pow2=pow2)
-        return q.t() if x.numel() else quantize(x.t(), granularity, fmt=fmt, pow2=pow2)
-    t = x.shape[0]
-    fused = _fused(x, (GROUP if granularity == "group128" else max(t, 1), 1), fmt=fmt, pow2=pow2, want_dq=False,
-                   want_data=True)
+    if x.numel() == 0:
+        return quantize(x.t(), granularity, fmt=fmt, pow2=pow2)
+    if granularity in ("tensorwise", "block128"):  # transpose-symmetric groupings
+        return quantize(x, granularity, fmt=fmt, pow2=pow2).t()
+    fused = _fused(x, _column_tile(granularity, x.shape[0]), fmt=fmt, pow2=pow2, want_dq=False, want_data=True)
     if fused is None:
         return quantize(x.t().contiguous(), granularity, fmt=fmt, pow2=pow2)
     _, data, scale = fused  # data [T, K]; scale [groups along T, K]
     return QuantizedTensor(data.t(), scale.t().contiguous(), granularity, fmt)
+
+
+def _column_tile(granularity: str, t: int) -> tuple[int, int]:
+    """The group of ``granularity`` along the first dim of a 2-D ``[T, K]`` tensor (group128 / rowwise of its
+    transpose) as a tile of (rows, cols) elements."""
+    return (GROUP if granularity == "group128" else t, 1)
 
 
 def _tile(granularity: str, shape2d) -> tuple[int, int]:

@@ -410,19 +410,13 @@ void item(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, flo
           int64_t m1, int64_t t0, int64_t ntiles) {
   constexpr int NV = nv_for<kMaxMR>();
   const int64_t per_row = s.kp * static_cast<int64_t>(sizeof(Value)) / static_cast<int64_t>(sizeof(Elem));
-  const int64_t bstride = b_tile_stride(s);
   const int64_t full = (m1 - m0) / kMaxMR, rest = (m1 - m0) % kMaxMR;
   for (int64_t kb = 0; kb < s.nkb; ++kb) {
     for (int64_t t = t0; t < t0 + ntiles; t += NV) {
-      const int64_t width = std::min<int64_t>(NV, t0 + ntiles - t);
+      const int64_t width = std::min<int64_t>(NV, t0 + ntiles - t);  // one panel (fewer tiles at the chunk's end)
       for (int64_t st = 0; st < full; ++st) {
         const int64_t r0 = m0 + st * kMaxMR;
-        if (width == NV)
-          micro<kMaxMR, NV>(ap + r0 * per_row, bp + t * bstride, sa + r0 * s.nkb, sbp + t * s.nkb * kLanes,
-                            c + r0 * s.n + t * kLanes, s.n, std::min<int64_t>(NV * kLanes, s.n - t * kLanes), s, kb,
-                            kb + 1);
-        else
-          rows<kMaxMR>(ap + r0 * per_row, bp, sa + r0 * s.nkb, sbp, c + r0 * s.n, s, t, width, kb, kb + 1);
+        rows<kMaxMR>(ap + r0 * per_row, bp, sa + r0 * s.nkb, sbp, c + r0 * s.n, s, t, width, kb, kb + 1);
       }
     }
     if (rest) {
