@@ -217,51 +217,60 @@ inline int64_t b_index(const Shape& s, int64_t tile, int64_t i, int64_t c) { ret
 #endif
 static_assert(sizeof(Elem) == 2 * sizeof(Value) || std::is_same<Elem, Value>::value, "element layout");
 
-// dst[j] = the value of FP8 code src[j] (value_table's entry, exactly), j < n, vectorized: a finite normal code's
-// magnitude bits shifted into place plus the exponent-bias difference; subnormals and zero from the first table
-// entries (a lane permute); a chunk holding a NaN / infinity code (never in quantized data) through the table.
+// The values of FP8 codes (value_table's entries, exactly), vectorized: a finite normal code's magnitude bits shifted
+// into place plus the exponent-bias difference; subnormals and zero from the first table entries (a lane permute).
+// A vector holding a NaN / infinity code (never in quantized data) returns false and is converted through the table.
+#if defined(__AVX512BF16__)
+constexpr int kConvertWidth = 32;
+inline bool convert_vec(const __m256i codes, int fmt, __m512i* out) {  // 32 codes -> 32 BF16 patterns
+  const __m512i c = _mm512_cvtepu8_epi16(codes);
+  const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi16(0x7F));
+  if (_mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(static_cast<int16_t>(fmt == 0 ? 0x7F : 0x7C)))) return false;
+  const __m512i bias = _mm512_set1_epi16(static_cast<int16_t>(fmt == 0 ? 120 << 7 : 112 << 7));
+  const __m512i low = _mm512_loadu_si512(reinterpret_cast<const void*>(tables().bf16[fmt]));  // entries 0..31
+  __m512i v = _mm512_add_epi16(fmt == 0 ? _mm512_slli_epi16(mag, 4) : _mm512_slli_epi16(mag, 5), bias);
+  const __mmask32 sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(static_cast<int16_t>(fmt == 0 ? 0x08 : 0x04)));
+  v = _mm512_mask_permutexvar_epi16(v, sub, mag, low);
+  *out = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8));
+  return true;
+}
+inline __m256i load_codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void store_values(uint16_t* p, __m512i v) { _mm512_storeu_si512(reinterpret_cast<void*>(p), v); }
+#else
+constexpr int kConvertWidth = 8;
+inline bool convert_vec(const __m128i codes, int fmt, __m256* out) {  // the low 8 codes -> 8 FP32 values
+  const __m256i c = _mm256_cvtepu8_epi32(codes);
+  const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+  if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32((fmt == 0 ? 0x7F : 0x7C) - 1)))) return false;
+  const __m256i bias = _mm256_set1_epi32(fmt == 0 ? 120 << 23 : 112 << 23);
+  const __m256 low = _mm256_loadu_ps(tables().f32[fmt]);  // entries 0..7
+  const __m256i normal = _mm256_add_epi32(fmt == 0 ? _mm256_slli_epi32(mag, 20) : _mm256_slli_epi32(mag, 21), bias);
+  const __m256 sub = _mm256_permutevar8x32_ps(low, mag);
+  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(fmt == 0 ? 0x08 : 0x04), mag));
+  __m256 v = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, is_sub);
+  *out = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24)));
+  return true;
+}
+inline __m128i load_codes(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline void store_values(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+#endif
+
+// dst[j] = the value of FP8 code src[j], j < n.
 inline void convert_run(const uint8_t* src, int64_t n, int fmt, Value* dst) {
   const Value* t = value_table(fmt);
-  const int sub_limit = fmt == 0 ? 0x08 : 0x04, special = fmt == 0 ? 0x7F : 0x7C;
   int64_t j = 0;
+  for (; j + kConvertWidth <= n; j += kConvertWidth) {
 #if defined(__AVX512BF16__)
-  const __m512i bias = _mm512_set1_epi16(static_cast<int16_t>(fmt == 0 ? 120 << 7 : 112 << 7));
-  const __m512i low = _mm512_loadu_si512(reinterpret_cast<const void*>(t));  // entries 0..31
-  const __m512i m7f = _mm512_set1_epi16(0x7F), m80 = _mm512_set1_epi16(0x80);
-  const __m512i lim = _mm512_set1_epi16(static_cast<int16_t>(sub_limit));
-  const __m512i spec = _mm512_set1_epi16(static_cast<int16_t>(special));
-  for (; j + 32 <= n; j += 32) {
-    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j)));
-    const __m512i mag = _mm512_and_si512(c, m7f);
-    if (_mm512_cmpge_epu16_mask(mag, spec)) {
-      for (int64_t k = j; k < j + 32; ++k) dst[k] = t[src[k]];
-      continue;
-    }
-    __m512i v = _mm512_add_epi16(fmt == 0 ? _mm512_slli_epi16(mag, 4) : _mm512_slli_epi16(mag, 5), bias);
-    v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, lim), mag, low);
-    v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(c, m80), 8));
-    _mm512_storeu_si512(reinterpret_cast<void*>(dst + j), v);
-  }
+    __m512i v;
 #else
-  const __m256i bias = _mm256_set1_epi32(fmt == 0 ? 120 << 23 : 112 << 23);
-  const __m256 low = _mm256_loadu_ps(t);  // entries 0..7
-  const __m256i m7f = _mm256_set1_epi32(0x7F), m80 = _mm256_set1_epi32(0x80);
-  const __m256i lim = _mm256_set1_epi32(sub_limit), spec = _mm256_set1_epi32(special - 1);
-  for (; j + 8 <= n; j += 8) {
-    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + j)));
-    const __m256i mag = _mm256_and_si256(c, m7f);
-    if (_mm256_movemask_epi8(_mm256_cmpgt_epi32(mag, spec))) {
-      for (int64_t k = j; k < j + 8; ++k) dst[k] = t[src[k]];
-      continue;
-    }
-    const __m256i normal = _mm256_add_epi32(fmt == 0 ? _mm256_slli_epi32(mag, 20) : _mm256_slli_epi32(mag, 21), bias);
-    const __m256 sub = _mm256_permutevar8x32_ps(low, mag);
-    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lim, mag));
-    __m256 v = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, is_sub);
-    v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, m80), 24)));
-    _mm256_storeu_ps(dst + j, v);
-  }
+    __m256 v;
 #endif
+    if (convert_vec(load_codes(src + j), fmt, &v)) {
+      store_values(dst + j, v);
+    } else {
+      for (int64_t k = j; k < j + kConvertWidth; ++k) dst[k] = t[src[k]];
+    }
+  }
   for (; j < n; ++j) dst[j] = t[src[j]];
 }
 
@@ -326,10 +335,60 @@ void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, V
   });
 }
 
+// A full tile whose kLanes rows lie next to each other in memory (s0 == 1: a transposed view of row-major codes,
+// i.e. the wgrad operand along tokens and the dgrad weight): each K column's kLanes codes are one contiguous load,
+// converted in vector registers and stored in packed order (for the pair layout two columns at once, their values
+// interleaved by one permute) -- no gather, no scalar scatter.
+void pack_b_tile_lanes(const uint8_t* b, int64_t s1, int fmt, const Shape& s, int64_t tile, Value* out) {
+  const Value* t = value_table(fmt);
+  for (int64_t kb = 0; kb < s.nkb; ++kb) {
+    const int64_t len = block_len(s, kb);
+    const uint8_t* src = b + tile * kLanes + kb * s.block * s1;
+    Value* dst = out + b_index(s, tile, 0, kb * s.block_pad);
+#if defined(__AVX512BF16__)
+    // word 2i of the output pair row is lane i of column j, word 2i + 1 lane i of column j + 1
+    alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i perm = _mm512_load_si512(reinterpret_cast<const void*>(kInterleave));
+    int64_t j = 0;
+    for (; j < len; j += 2) {
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j * s1));
+      const __m128i hi = j + 1 < len ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + 1) * s1))
+                                     : _mm_setzero_si128();  // an odd block's last pair: code 0 is +0
+      __m512i v;
+      if (!convert_vec(_mm256_set_m128i(hi, lo), fmt, &v)) {
+        alignas(64) uint16_t tmp[32];
+        for (int i = 0; i < kLanes; ++i) {
+          tmp[i] = t[src[j * s1 + i]];
+          tmp[kLanes + i] = j + 1 < len ? t[src[(j + 1) * s1 + i]] : Value(0);
+        }
+        v = _mm512_load_si512(reinterpret_cast<const void*>(tmp));
+      }
+      store_values(dst + j * kLanes, _mm512_permutexvar_epi16(perm, v));
+    }
+#else
+    int64_t j = 0;
+    for (; j < len; ++j) {
+      __m256 v;
+      if (convert_vec(load_codes(src + j * s1), fmt, &v)) {
+        store_values(dst + j * kLanes, v);
+      } else {
+        for (int i = 0; i < kLanes; ++i) dst[j * kLanes + i] = t[src[j * s1 + i]];
+      }
+    }
+#endif
+    std::fill(dst + j * kLanes, dst + s.block_pad * kLanes, Value(0));  // the block's padding columns
+  }
+}
+
 void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, Value* out) {
   const int64_t ntiles = (s.n + kLanes - 1) / kLanes;
   at::parallel_for(0, ntiles, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t tile = lo; tile < hi; ++tile) {
+      if (s0 == 1 && (tile + 1) * kLanes <= s.n) {
+        pack_b_tile_lanes(b, s1, fmt, s, tile, out);
+        continue;
+      }
       Value* tout = out + b_index(s, tile, 0, 0);
       std::fill(tout, tout + s.kp * kLanes, Value(0));
       const int64_t lanes = std::min<int64_t>(kLanes, s.n - tile * kLanes);

@@ -100,6 +100,25 @@ def test_every_code_in_long_runs_through_both_packers(fmt, strided):
     assert bool(y[0].isnan().all()) and torch.equal(y[1:], want[1:])
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_a_transposed_view_packs_to_the_same_values(fmt):
+    """A weight-side operand whose rows lie side by side in memory (the transposed view the wgrad and dgrad GEMMs
+    pass, packed lane by lane in vector registers) packs to exactly the values and scales of the same codes laid
+    out row-major (packed row by row): every byte value, NaN and infinity codes included, odd block lengths, a
+    last tile short of lanes."""
+    assert gemm.available(), gemm.path()
+    gen = torch.Generator().manual_seed(9)
+    for n, k, block in ((16, 1, 1), (48, 7, 7), (50, 300, 128), (33, 257, 128), (64, 129, 129), (17, 256, 128)):
+        codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+        rows = torch.rand(n, -(-k // block), generator=gen)
+        view = codes.t().contiguous().t()  # the same codes, strides (1, n)
+        assert view.stride(0) == 1 and torch.equal(view, codes)
+        got = gemm.pack_weight(view, fmt, rows, block)
+        want = gemm.pack_weight(codes, fmt, rows, block)
+        same_bits = torch.equal(got.values.view(torch.uint8), want.values.view(torch.uint8))  # NaN values too
+        assert same_bits and torch.equal(got.scales, want.scales), (n, k, block)
+
+
 CASES = [  # (a granularity, b granularity, M, N, K): the linear's GEMMs and odd sizes
     ("group128", "block128", 7, 300, 520),   # blockwise fprop, partial last block, N not a multiple of 16
     ("group128", "block128", 64, 256, 1024),
