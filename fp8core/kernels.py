@@ -38,6 +38,7 @@ import torch
 ENV = "FP8GRPO_QDQ_KERNEL"
 MODES = ("auto", "torch", "cpp")
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("qdq.cpp", "gemm.cpp"))
+_HEADERS = (Path(__file__).with_name("csrc") / "quant.h",)  # included by both sources: part of the build key
 # -fopenmp: ATen's parallel_for expands its OpenMP region in the extension's code (without the flag every kernel runs
 # on one thread); at run time the process's libgomp (torch's) serves it
 _BASE_CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
@@ -113,7 +114,8 @@ def build_dir() -> Path:
     The hash also covers where the sources and torch live: torch's build.ninja names them by absolute path, so two
     checkouts (or venvs) sharing one directory would rebuild each other's build whenever the other one loads it."""
     kind, flags = _isa_flags()
-    key = "".join(p.read_text() for p in _SOURCES) + kind + " ".join([*_BASE_CFLAGS, *flags]) + torch.__version__
+    key = "".join(p.read_text() for p in (*_SOURCES, *_HEADERS))
+    key += kind + " ".join([*_BASE_CFLAGS, *flags]) + torch.__version__
     key += "".join(str(p.resolve()) for p in _SOURCES) + str(Path(torch.__file__).resolve().parent)
     tag = hashlib.sha256(key.encode()).hexdigest()[:12]
     return build_root() / f"fp8core_qdq_{kind}_{tag}"
