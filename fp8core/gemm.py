@@ -21,15 +21,16 @@ better; fp8core.kernels).
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from fp8core import kernels
-from fp8core.quant import GROUP, QuantizedTensor
+from fp8core.quant import GROUP, NON_FINITE, QuantizedTensor
 
-__all__ = ["PackedWeight", "available", "block_for", "describe", "fp8_gemm", "fp8_gemm_packed", "fp8_gemm_rows", "pack_weight",
-           "path", "row_scales"]
+__all__ = ["PackedWeight", "available", "block_for", "describe", "fp8_gemm", "fp8_gemm_packed", "fp8_gemm_rows",
+           "fp8_quant_gemm_packed", "pack_weight", "path", "quantizes_into_pack", "row_scales"]
 
 _FMT_INDEX = {"e4m3": 0, "e5m2": 1}
 _BLOCKWISE = ("group128", "block128")
@@ -63,6 +64,12 @@ def available() -> bool:
         @torch.library.register_fake("fp8core::fp8_gemm_packed")
         def _(a, a_fmt, a_scale, b_values, b_scales, n, block):
             return a.new_empty((a.shape[0], n), dtype=torch.float32)
+
+        @torch.library.register_fake("fp8core::fp8_quant_gemm_packed")
+        def _(x, a_fmt, pow2, b_values, b_scales, n, block):
+            nkb = -(-x.shape[1] // min(block, max(x.shape[1], 1))) if x.shape[1] else 0
+            return (x.new_empty((x.shape[0], n), dtype=torch.float32),
+                    x.new_empty((x.shape[0], nkb), dtype=torch.float32), x.new_empty((), dtype=torch.float32))
 
         _fake_registered = True
     return True
@@ -139,6 +146,27 @@ def fp8_gemm_packed(a_codes: torch.Tensor, a_fmt: str, a_rows: torch.Tensor, b: 
         raise ValueError(f"fp8_gemm_packed: a has K = {a_codes.shape[-1]}, the packed weight K = {b.k}")
     return torch.ops.fp8core.fp8_gemm_packed(a_codes.view(torch.uint8), _FMT_INDEX[a_fmt], a_rows, b.values,
                                              b.scales, b.n, b.block)
+
+
+def quantizes_into_pack(granularity: str, b: PackedWeight) -> bool:
+    """Whether activations of ``granularity`` can be quantized inside the op against ``b`` (their groups are the
+    GEMM's K blocks: group128 against 128-column blocks, rowwise against one block of all of K)."""
+    return (granularity == "group128" and b.block == GROUP) or (granularity == "rowwise" and b.block >= b.k)
+
+
+def fp8_quant_gemm_packed(x: torch.Tensor, fmt: str, b: PackedWeight, *, pow2: bool = False) -> torch.Tensor:
+    """FP32 ``[M, N]``: ``x [M, K]`` (FP32 / BF16) quantized along K in groups of ``b``'s K block (see
+    :func:`quantizes_into_pack`) straight into the op's packed layout, times ``b`` transposed -- no FP8 code tensor,
+    one pass over ``x``. Bit for bit ``fp8_gemm_packed`` on ``quantize(x)``'s codes and scales; non-finite input
+    raises quantize's ValueError."""
+    if x.shape[-1] != b.k:
+        raise ValueError(f"fp8_quant_gemm_packed: x has K = {x.shape[-1]}, the packed weight K = {b.k}")
+    x2 = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(torch.float32)
+    y, _, amax = torch.ops.fp8core.fp8_quant_gemm_packed(x2.contiguous(), _FMT_INDEX[fmt], pow2, b.values, b.scales,
+                                                         b.n, b.block)
+    if not math.isfinite(float(amax)):
+        raise ValueError(NON_FINITE)
+    return y
 
 
 def fp8_gemm(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:

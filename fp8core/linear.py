@@ -297,11 +297,19 @@ def fp8_linear_forward_cpu(x: torch.Tensor, weight: gemm.PackedWeight, bias: tor
     optimizer update). The trainer's FP8Linear and the engine's FP8 layers both run this function; the engine packs
     several partitions side by side (q/k/v, gate/up, each quantized on its own), so the activation is quantized once
     and each output column is the same dot product as with the partitions one by one."""
-    x_q = quantize(x.reshape(-1, weight.k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
-    y = gemm.fp8_gemm_packed(x_q.data, "e4m3", gemm.row_scales(x_q, weight.block), weight)
+    y = _quantized_gemm(x.reshape(-1, weight.k), ACT_GRANULARITY[recipe], "e4m3", pow2_activation, weight)
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.n)
+
+
+def _quantized_gemm(x2: torch.Tensor, granularity: str, fmt: str, pow2: bool, weight: gemm.PackedWeight) -> torch.Tensor:
+    """FP32 ``quantize(x2) @ W.T`` on the CPU op: quantized inside the op where the groups are its K blocks
+    (group128, rowwise), else quantize() first (tensorwise's one scale needs all of x2 before any code)."""
+    if gemm.quantizes_into_pack(granularity, weight):
+        return gemm.fp8_quant_gemm_packed(x2, fmt, weight, pow2=pow2)
+    q = quantize(x2, granularity, fmt=fmt, pow2=pow2)
+    return gemm.fp8_gemm_packed(q.data, fmt, gemm.row_scales(q, weight.block), weight)
 
 
 def fp8_linear_forward_emulated(x: torch.Tensor, weight_dq: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -455,11 +463,11 @@ class _FP8LinearFunction(torch.autograd.Function):
                 dw = (dyt_dq.t() @ xt_dq).to(weight.dtype)
         else:
             if ctx.needs_input_grad[0]:
-                dy_q = quantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
                 if ctx.backend == "cpu":  # the dgrad weight packed once per update (WeightCache.packed)
-                    w_p = cache.packed(weight, cfg, transposed=True)
-                    dx = gemm.fp8_gemm_packed(dy_q.data, cfg.grad_fmt, gemm.row_scales(dy_q, w_p.block), w_p)
+                    dx = _quantized_gemm(dy2, gran, cfg.grad_fmt, cfg.pow2_activation,
+                                         cache.packed(weight, cfg, transposed=True))
                 else:
+                    dy_q = quantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
                     if cfg.recipe == "rowwise":  # W re-quantized per input feature, along N
                         w_t = quantize(weight.t(), "rowwise", fmt="e4m3", pow2=cfg.pow2_weight)
                     else:  # the forward's block128 / tensorwise weight, transposed (exact)

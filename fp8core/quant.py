@@ -68,6 +68,7 @@ __all__ = [
     "FP8_DTYPES",
     "FP8_MAX",
     "GRANULARITIES",
+    "NON_FINITE",
     "QuantizedTensor",
     "dequantize",
     "expand_scale",
@@ -186,8 +187,8 @@ def _check_input(x, granularity: str, fmt: str) -> None:
                          f"{getattr(x, 'dtype', type(x).__name__)}")
 
 
-_NON_FINITE = ("quantize: input contains non-finite values (inf or nan, or beyond the FP32 range); "
-               "FP8 scales cannot be computed from them")
+NON_FINITE = ("quantize: input contains non-finite values (inf or nan, or beyond the FP32 range); "
+              "FP8 scales cannot be computed from them")
 
 
 def quantize_reference(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool = False) -> QuantizedTensor:
@@ -221,7 +222,7 @@ def quantize_reference(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", 
         view = xp.reshape(*xp.shape[:-2], mb, GROUP, kb, GROUP)
         amax = absmax(view, (-3, -1))
     if not bool(torch.isfinite(amax).all()):
-        raise ValueError(_NON_FINITE)
+        raise ValueError(NON_FINITE)
     scale = torch.clamp(amax / fp8_max, min=MIN_SCALE)
     if pow2:
         scale = _round_up_pow2(scale)
@@ -424,7 +425,7 @@ def _quantize_2d(x2: torch.Tensor, granularity: str, fmt: str, pow2: bool, *, wa
                 v.mul_(s)
                 dq[r0: r0 + n].copy_(b[:n, :k])
     if not math.isfinite(float(amax_all.max())):  # amax >= 0; nan propagates through max
-        raise ValueError(_NON_FINITE)
+        raise ValueError(NON_FINITE)
     return data, scale_all, dq
 
 
@@ -545,7 +546,7 @@ def _fused(x2: torch.Tensor, tile: tuple[int, int], *, fmt: str, pow2: bool, wan
         return None
     dq, data, amax, scale = res
     if amax.numel() and not math.isfinite(float(amax.max())):  # amax >= 0; nan/inf patterns compare above finite
-        raise ValueError(_NON_FINITE)
+        raise ValueError(NON_FINITE)
     return dq, data, scale
 
 
@@ -586,5 +587,5 @@ def _columns(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> torch.T
             v.mul_(s)
             dq[r0: r0 + n].copy_(b[:n])
     if not math.isfinite(float(amax_all.max())):  # amax >= 0; nan propagates through max
-        raise ValueError(_NON_FINITE)
+        raise ValueError(NON_FINITE)
     return dq

@@ -15,12 +15,15 @@
 // scale product rounded to FP32 first. A K block is `block` columns (128 for the blockwise recipe; all of K for
 // rowwise / tensorwise, i.e. one GEMM over the codes then the outer product of the scales).
 // Padding: each block is padded with zero codes to an even length (AVX-512 BF16 pairs); N to the lane width.
+#include "quant.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -335,6 +338,45 @@ void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, V
   });
 }
 
+// A's packed values straight from FP32 / BF16 activations x [M, K] (contiguous): each K block of a row is one
+// quantization group (128 columns for group128, the whole row for rowwise), quantized with quant.h's operations
+// (the fused quantizer's, so the codes and scales are quantize()'s bit for bit), its codes 128 at a time through an
+// L1 buffer and converted into the packed row -- no FP8 code tensor in memory, no second pass. sa: [M, nkb] scales
+// out. Returns the largest |x| as FP32 bits (NaN > inf > finite: the caller rejects non-finite input).
+template <typename T>
+uint32_t pack_a_quantized(const T* x, const Fmt& f, bool pow2, int fmt, const Shape& s, Value* out, float* sa) {
+  constexpr int64_t kRows = 16, kChunk = 128;
+  const Consts cst = consts_of(f);
+  std::atomic<uint32_t> amax_all{0};
+  at::parallel_for(0, (s.m + kRows - 1) / kRows, 1, [&](int64_t lo, int64_t hi) {
+    uint32_t local = 0;
+    alignas(64) uint8_t codes[kChunk];
+    alignas(64) float sv[kChunk];
+    for (int64_t r = lo * kRows; r < std::min(s.m, hi * kRows); ++r) {
+      const T* row = x + r * s.k;
+      Value* dst = out + r * s.kp;
+      for (int64_t kb = 0; kb < s.nkb; ++kb) {
+        const int64_t c0 = kb * s.block, len = block_len(s, kb);
+        const uint32_t am = absmax_bits<T>(row + c0, len);
+        const float scale = scale_of(am, f, pow2);
+        local = am > local ? am : local;
+        sa[r * s.nkb + kb] = scale;
+        std::fill(sv, sv + kChunk, scale);
+        for (int64_t j = 0; j < len; j += kChunk) {
+          const int64_t w = std::min(kChunk, len - j);
+          row_loop<T, false, true>(row + c0 + j, sv, nullptr, codes, w, cst);
+          convert_run(codes, w, fmt, dst + kb * s.block_pad + j);
+        }
+        std::fill(dst + kb * s.block_pad + len, dst + (kb + 1) * s.block_pad, Value(0));
+      }
+    }
+    uint32_t seen = amax_all.load();
+    while (local > seen && !amax_all.compare_exchange_weak(seen, local)) {
+    }
+  });
+  return amax_all.load();
+}
+
 // A full tile whose kLanes rows lie next to each other in memory (s0 == 1: a transposed view of row-major codes,
 // i.e. the wgrad operand along tokens and the dgrad weight): each K column's kLanes codes are one contiguous load,
 // converted in vector registers and stored in packed order (for the pair layout two columns at once, their values
@@ -542,20 +584,18 @@ std::tuple<at::Tensor, at::Tensor> fp8_pack(const at::Tensor& b, int64_t b_fmt, 
   return {values, scales};
 }
 
-// C = A @ B.T from A's uint8 codes [M, K] (any strides) + a_scale float32 [M, nkb] and B packed by fp8_pack.
-at::Tensor fp8_gemm_packed(const at::Tensor& a, int64_t a_fmt, const at::Tensor& a_scale, const at::Tensor& b_values,
-                           const at::Tensor& b_scales, int64_t n, int64_t block) {
-  TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kByte && a.dim() == 2, "fp8_gemm: uint8 CPU codes [M, K]");
-  const Shape s = shape_of(a.size(0), n, a.size(1), block);
-  const auto sa = rows_scales(a_scale, s.m, s.nkb, "a_scale");
+namespace {
+
+void check_packed(const Shape& s, const at::Tensor& b_values, const at::Tensor& b_scales) {
   TORCH_CHECK(b_values.numel() == packed_values(s) && b_scales.numel() == packed_scales(s) && b_values.is_contiguous()
               && b_scales.is_contiguous() && b_values.element_size() == static_cast<int64_t>(sizeof(Value)),
-              "fp8_gemm_packed: the packed weight does not match N = ", n, ", K = ", s.k, ", block = ", s.block,
+              "fp8_gemm_packed: the packed weight does not match N = ", s.n, ", K = ", s.k, ", block = ", s.block,
               " (pack it with fp8_pack in this process)");
-  if (s.m == 0 || s.n == 0 || s.nkb == 0) return at::zeros({s.m, s.n}, a.options().dtype(at::kFloat));
-  auto out = at::empty({s.m, s.n}, a.options().dtype(at::kFloat));  // every element is written by its micro call
-  std::vector<Value> ap(static_cast<size_t>(s.m * s.kp));
-  pack_a(a.data_ptr<uint8_t>(), a.stride(0), a.stride(1), fmt_index(a_fmt), s, ap.data());
+}
+
+// C [M, N] = A @ B.T from A packed ([M][kp] values) with its scales sa [M, nkb] and B packed by fp8_pack.
+void run_gemm(const Value* ap, const float* sad, const at::Tensor& b_values, const at::Tensor& b_scales,
+              const Shape& s, float* c) {
   const int64_t ntiles = (s.n + kLanes - 1) / kLanes;
   // work items: (block of kBlockRows rows) x (chunk of kChunkTiles column tiles), consecutive items sharing a chunk
   // (its B stays in L2); each output element is computed by one item with the same instruction sequence whatever
@@ -565,11 +605,9 @@ at::Tensor fp8_gemm_packed(const at::Tensor& a, int64_t a_fmt, const at::Tensor&
   while (block_rows > kMaxMR && (s.m + block_rows - 1) / block_rows * chunks < 4 * at::get_num_threads())
     block_rows /= 2;
   const int64_t mblocks = (s.m + block_rows - 1) / block_rows;
-  const Elem* apd = reinterpret_cast<const Elem*>(ap.data());
+  const Elem* apd = reinterpret_cast<const Elem*>(ap);
   const Elem* bpd = reinterpret_cast<const Elem*>(b_values.data_ptr());
-  const float* sad = sa.data_ptr<float>();
   const float* sbp = b_scales.data_ptr<float>();
-  float* c = out.data_ptr<float>();
   // items taken one at a time by whichever thread is free (OpenMP's dynamic schedule on torch's thread count): the
   // last column chunk and the last row block are smaller, and a static split left one thread up to a third idle
   const int64_t items = mblocks * chunks;
@@ -581,7 +619,61 @@ at::Tensor fp8_gemm_packed(const at::Tensor& a, int64_t a_fmt, const at::Tensor&
     const int64_t t0 = g * kChunkTiles, nt = std::min(kChunkTiles, ntiles - t0);
     item(apd, bpd, sad, sbp, c, s, m0, m1, t0, nt);
   }
+}
+
+// A's packed values (uninitialized: the packers write every element, padding included)
+at::Tensor a_buffer(const Shape& s, const at::Tensor& like) {
+  const bool bf16 = std::is_same<Value, uint16_t>::value;
+  return at::empty({s.m * s.kp}, like.options().dtype(bf16 ? at::kShort : at::kFloat));
+}
+
+}  // namespace
+
+// C = A @ B.T from A's uint8 codes [M, K] (any strides) + a_scale float32 [M, nkb] and B packed by fp8_pack.
+at::Tensor fp8_gemm_packed(const at::Tensor& a, int64_t a_fmt, const at::Tensor& a_scale, const at::Tensor& b_values,
+                           const at::Tensor& b_scales, int64_t n, int64_t block) {
+  TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kByte && a.dim() == 2, "fp8_gemm: uint8 CPU codes [M, K]");
+  const Shape s = shape_of(a.size(0), n, a.size(1), block);
+  const auto sa = rows_scales(a_scale, s.m, s.nkb, "a_scale");
+  check_packed(s, b_values, b_scales);
+  if (s.m == 0 || s.n == 0 || s.nkb == 0) return at::zeros({s.m, s.n}, a.options().dtype(at::kFloat));
+  auto out = at::empty({s.m, s.n}, a.options().dtype(at::kFloat));  // every element is written by its micro call
+  auto ap = a_buffer(s, a);
+  Value* apd = reinterpret_cast<Value*>(ap.data_ptr());
+  pack_a(a.data_ptr<uint8_t>(), a.stride(0), a.stride(1), fmt_index(a_fmt), s, apd);
+  run_gemm(apd, sa.data_ptr<float>(), b_values, b_scales, s, out.data_ptr<float>());
   return out;
+}
+
+// The linear's GEMM from unquantized activations: x float32 / bfloat16 [M, K] quantized along K in groups of the
+// GEMM's K block (group128 for block 128, rowwise for a block of all of K) straight into A's packed layout
+// (pack_a_quantized), then C = A @ B.T with B packed by fp8_pack. Returns (C float32 [M, N], the scales float32
+// [M, nkb], the largest |x| float32 []): the codes and scales of quantize(x) and the result of fp8_gemm_packed on
+// them, bit for bit.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quant_gemm_packed(const at::Tensor& x, int64_t a_fmt, bool pow2,
+                                                                     const at::Tensor& b_values,
+                                                                     const at::Tensor& b_scales, int64_t n,
+                                                                     int64_t block) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous()
+              && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "fp8_quant_gemm_packed: x must be a contiguous float32 / bfloat16 CPU tensor [M, K]");
+  const Shape s = shape_of(x.size(0), n, x.size(1), block);
+  check_packed(s, b_values, b_scales);
+  const auto fopt = x.options().dtype(at::kFloat);
+  auto sa = at::empty({s.m, s.nkb}, fopt);
+  auto amax = at::zeros({}, fopt);
+  if (s.m == 0 || s.n == 0 || s.nkb == 0) return {at::zeros({s.m, s.n}, fopt), sa.zero_(), amax};
+  const int fmt = fmt_index(a_fmt);
+  const Fmt f = fmt == 0 ? Fmt{448.0f, 3, -9} : Fmt{57344.0f, 2, -16};
+  auto ap = a_buffer(s, x);
+  Value* apd = reinterpret_cast<Value*>(ap.data_ptr());
+  const uint32_t am = x.scalar_type() == at::kFloat
+      ? pack_a_quantized<float>(x.data_ptr<float>(), f, pow2, fmt, s, apd, sa.data_ptr<float>())
+      : pack_a_quantized<at::BFloat16>(x.data_ptr<at::BFloat16>(), f, pow2, fmt, s, apd, sa.data_ptr<float>());
+  amax.fill_(u2f(am));
+  auto out = at::empty({s.m, s.n}, fopt);
+  run_gemm(apd, sa.data_ptr<float>(), b_values, b_scales, s, out.data_ptr<float>());
+  return {out, sa, amax};
 }
 
 // a: uint8 codes [M, K] (any strides), b: uint8 codes [N, K]; a_scale float32 [M, nkb], b_scale float32 [N, nkb]
@@ -602,10 +694,13 @@ TORCH_LIBRARY(fp8core, m) {
   m.def("fp8_pack(Tensor b, int b_fmt, Tensor b_scale, int block) -> (Tensor, Tensor)");
   m.def("fp8_gemm_packed(Tensor a, int a_fmt, Tensor a_scale, Tensor b_values, Tensor b_scales, int n, int block) "
         "-> Tensor");
+  m.def("fp8_quant_gemm_packed(Tensor x, int a_fmt, bool pow2, Tensor b_values, Tensor b_scales, int n, int block) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fp8core, CPU, m) {
   m.impl("fp8_gemm", &fp8_gemm);
   m.impl("fp8_pack", &fp8_pack);
   m.impl("fp8_gemm_packed", &fp8_gemm_packed);
+  m.impl("fp8_quant_gemm_packed", &fp8_quant_gemm_packed);
 }

@@ -215,6 +215,52 @@ def test_a_packed_weight_gives_the_same_bits():
         gemm.fp8_gemm_packed(qa.data, "e4m3", gemm.row_scales(qa, block), packed._replace(k=77))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantizing_inside_the_op_gives_quantizes_codes_and_the_same_bits(dtype, fmt, pow2):
+    """The activations quantized inside the op, straight into its packed layout (the linear's forward and dgrad),
+    against quantize() then the op on its codes: the same scales and the same output bits, for group128 (K blocks
+    of 128, a partial last one) and rowwise (one block of all of K, odd), with rows of zeros, of tiny values
+    (subnormal codes) and of very different sizes."""
+    assert gemm.available(), gemm.path()
+    gen = torch.Generator().manual_seed(10)
+    for gran, gb, m, n, k in (("group128", "block128", 7, 300, 520), ("group128", "block128", 50, 64, 128),
+                              ("group128", "block128", 1, 40, 1000), ("rowwise", "rowwise", 33, 70, 301)):
+        x = (torch.randn(m, k, generator=gen) * torch.logspace(-6, 4, k).roll(m)).to(dtype)
+        x[0] = 0.0
+        if m > 3:
+            x[2] = torch.randn(k, generator=gen).to(dtype) * 1e-30
+        qb = quantize(torch.randn(n, k, generator=gen), gb)
+        block = gemm.block_for(gran, gb, k)
+        packed = gemm.pack_weight(qb.data, "e4m3", gemm.row_scales(qb, block), block)
+        assert gemm.quantizes_into_pack(gran, packed)
+        qa = quantize(x, gran, fmt=fmt, pow2=pow2)
+        want = gemm.fp8_gemm_packed(qa.data, fmt, gemm.row_scales(qa, block), packed)
+        y, scales, amax = torch.ops.fp8core.fp8_quant_gemm_packed(x, 0 if fmt == "e4m3" else 1, pow2, packed.values,
+                                                                   packed.scales, n, block)
+        assert torch.equal(scales, gemm.row_scales(qa, block)), (gran, k)
+        assert torch.equal(y, want), (gran, m, k)
+        assert float(amax) == float(x.abs().max())
+        assert torch.equal(gemm.fp8_quant_gemm_packed(x, fmt, packed, pow2=pow2), want)
+
+
+def test_quantizing_inside_the_op_rejects_non_finite_input_as_quantize_does():
+    from fp8core.quant import NON_FINITE
+
+    qb = quantize(torch.randn(32, 256), "block128")
+    packed = gemm.pack_weight(qb.data, "e4m3", gemm.row_scales(qb, 128), 128)
+    assert not gemm.quantizes_into_pack("tensorwise", packed)  # one scale for all of x: quantize() first
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(5, 256)
+        x[3, 200] = bad
+        with pytest.raises(ValueError, match="non-finite") as got:
+            gemm.fp8_quant_gemm_packed(x, "e4m3", packed)
+        assert str(got.value) == NON_FINITE
+    with pytest.raises(ValueError, match="K = 255"):
+        gemm.fp8_quant_gemm_packed(torch.randn(5, 255), "e4m3", packed)
+
+
 def test_mm_backend_cpu_is_the_op():
     gen = torch.Generator().manual_seed(4)
     qa, qb = quantize(torch.randn(9, 200, generator=gen), "group128"), quantize(torch.randn(30, 200), "block128")
@@ -232,6 +278,9 @@ def test_the_fake_kernel_gives_the_shape_on_the_meta_device():
     assert (values.shape, values.dtype, scales.shape) == (real.values.shape, real.values.dtype, real.scales.shape)
     y = torch.ops.fp8core.fp8_gemm_packed(a, 0, torch.empty(5, 2, device="meta"), values, scales, 48, 128)
     assert y.device.type == "meta" and y.shape == (5, 48)
+    x = torch.empty(5, 256, device="meta")
+    y, sa, amax = torch.ops.fp8core.fp8_quant_gemm_packed(x, 0, False, values, scales, 48, 128)
+    assert (y.shape, sa.shape, amax.shape) == ((5, 48), (5, 2), ()) and y.device.type == "meta"
 
 
 _CAPPED = r"""
