@@ -381,46 +381,49 @@ uint32_t pack_a_quantized(const T* x, const Fmt& f, bool pow2, int fmt, const Sh
 // i.e. the wgrad operand along tokens and the dgrad weight): each K column's kLanes codes are one contiguous load,
 // converted in vector registers and stored in packed order (for the pair layout two columns at once, their values
 // interleaved by one permute) -- no gather, no scalar scatter.
-void pack_b_tile_lanes(const uint8_t* b, int64_t s1, int fmt, const Shape& s, int64_t tile, Value* out) {
+// One K block of one tile: len columns of kLanes codes each, column j at src + j * s1, into dst (the block's first
+// packed column of the tile), padded with zeros to block_pad columns.
+void pack_lanes_block(const uint8_t* src, int64_t s1, int64_t len, int64_t block_pad, int fmt, Value* dst) {
   const Value* t = value_table(fmt);
-  for (int64_t kb = 0; kb < s.nkb; ++kb) {
-    const int64_t len = block_len(s, kb);
-    const uint8_t* src = b + tile * kLanes + kb * s.block * s1;
-    Value* dst = out + b_index(s, tile, 0, kb * s.block_pad);
 #if defined(__AVX512BF16__)
-    // word 2i of the output pair row is lane i of column j, word 2i + 1 lane i of column j + 1
-    alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i perm = _mm512_load_si512(reinterpret_cast<const void*>(kInterleave));
-    int64_t j = 0;
-    for (; j < len; j += 2) {
-      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j * s1));
-      const __m128i hi = j + 1 < len ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + 1) * s1))
-                                     : _mm_setzero_si128();  // an odd block's last pair: code 0 is +0
-      __m512i v;
-      if (!convert_vec(_mm256_set_m128i(hi, lo), fmt, &v)) {
-        alignas(64) uint16_t tmp[32];
-        for (int i = 0; i < kLanes; ++i) {
-          tmp[i] = t[src[j * s1 + i]];
-          tmp[kLanes + i] = j + 1 < len ? t[src[(j + 1) * s1 + i]] : Value(0);
-        }
-        v = _mm512_load_si512(reinterpret_cast<const void*>(tmp));
+  // word 2i of the output pair row is lane i of column j, word 2i + 1 lane i of column j + 1
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i perm = _mm512_load_si512(reinterpret_cast<const void*>(kInterleave));
+  int64_t j = 0;
+  for (; j < len; j += 2) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j * s1));
+    const __m128i hi = j + 1 < len ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + 1) * s1))
+                                   : _mm_setzero_si128();  // an odd block's last pair: code 0 is +0
+    __m512i v;
+    if (!convert_vec(_mm256_set_m128i(hi, lo), fmt, &v)) {
+      alignas(64) uint16_t tmp[32];
+      for (int i = 0; i < kLanes; ++i) {
+        tmp[i] = t[src[j * s1 + i]];
+        tmp[kLanes + i] = j + 1 < len ? t[src[(j + 1) * s1 + i]] : Value(0);
       }
-      store_values(dst + j * kLanes, _mm512_permutexvar_epi16(perm, v));
+      v = _mm512_load_si512(reinterpret_cast<const void*>(tmp));
     }
-#else
-    int64_t j = 0;
-    for (; j < len; ++j) {
-      __m256 v;
-      if (convert_vec(load_codes(src + j * s1), fmt, &v)) {
-        store_values(dst + j * kLanes, v);
-      } else {
-        for (int i = 0; i < kLanes; ++i) dst[j * kLanes + i] = t[src[j * s1 + i]];
-      }
-    }
-#endif
-    std::fill(dst + j * kLanes, dst + s.block_pad * kLanes, Value(0));  // the block's padding columns
+    store_values(dst + j * kLanes, _mm512_permutexvar_epi16(perm, v));
   }
+#else
+  int64_t j = 0;
+  for (; j < len; ++j) {
+    __m256 v;
+    if (convert_vec(load_codes(src + j * s1), fmt, &v)) {
+      store_values(dst + j * kLanes, v);
+    } else {
+      for (int i = 0; i < kLanes; ++i) dst[j * kLanes + i] = t[src[j * s1 + i]];
+    }
+  }
+#endif
+  std::fill(dst + j * kLanes, dst + block_pad * kLanes, Value(0));  // the block's padding columns
+}
+
+void pack_b_tile_lanes(const uint8_t* b, int64_t s1, int fmt, const Shape& s, int64_t tile, Value* out) {
+  for (int64_t kb = 0; kb < s.nkb; ++kb)
+    pack_lanes_block(b + tile * kLanes + kb * s.block * s1, s1, block_len(s, kb), s.block_pad, fmt,
+                     out + b_index(s, tile, 0, kb * s.block_pad));
 }
 
 void pack_b(const uint8_t* b, int64_t s0, int64_t s1, int fmt, const Shape& s, Value* out) {
