@@ -25,14 +25,6 @@ inline uint32_t max_u32(const uint32_t* __restrict p, int64_t n) {
   return m;
 }
 
-// acc[j] = max(acc[j], |x[j]| bits) over one row
-template <typename T>
-inline void col_absmax(const T* __restrict xr, uint32_t* __restrict acc, int64_t k) {
-  for (int64_t j = 0; j < k; ++j) {
-    const uint32_t v = f2u(load<T>(xr, j)) & 0x7FFFFFFFu;
-    acc[j] = v > acc[j] ? v : acc[j];
-  }
-}
 // One kernel for every granularity: groups are tiles of ``gr`` rows x ``gc`` columns of a row-major [M, K] tensor
 // (group128 along K: 1 x 128; rowwise: 1 x K; along T (wgrad operands): 128 x 1 or T x 1; block128: 128 x 128;
 // tensorwise: M x K). Each block of ``gr`` rows is read twice: once for the column-wise |x| maxima (reduced to the

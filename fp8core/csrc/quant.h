@@ -113,4 +113,13 @@ inline uint32_t absmax_bits(const T* __restrict p, int64_t n) {
   return m;
 }
 
+// acc[j] = max(acc[j], |x[j]| bits) over one row
+template <typename T>
+inline void col_absmax(const T* __restrict xr, uint32_t* __restrict acc, int64_t k) {
+  for (int64_t j = 0; j < k; ++j) {
+    const uint32_t v = f2u(load<T>(xr, j)) & 0x7FFFFFFFu;
+    acc[j] = v > acc[j] ? v : acc[j];
+  }
+}
+
 }  // namespace
