@@ -8,8 +8,8 @@ For each shape (tokens M x in-features K x out-features N), median wall time ove
 process's threads, of:
 
 * ``fp8 cpu op linear``: fp8core.linear.fp8_linear_forward_cpu on the CPU FP8 GEMM (fp8core.gemm) with the weight
-  already quantized and packed -- the call the trainer's FP8Linear and the vLLM plugin make on a CPU (activation
-  quantize + the op + cast), where fp8core/csrc built;
+  already quantized and packed -- the call the trainer's FP8Linear and the vLLM plugin make on a CPU (the
+  activation quantized inside the op, straight into its packed layout, + cast), where fp8core/csrc built;
 * ``fp8 emulated linear``: fp8core.linear.fp8_linear_forward_emulated with the weight already dequantized -- the
   call before the CPU op (activation quantize-dequantize + the FP32 GEMM + cast);
 * ``fp32 gemm``: that call's GEMM alone (FP32 operands holding FP8 values times their scales);
