@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -340,18 +341,16 @@ void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, V
 
 // A's packed values straight from FP32 / BF16 activations x [M, K] (contiguous): each K block of a row is one
 // quantization group (128 columns for group128, the whole row for rowwise), quantized with quant.h's operations
-// (the fused quantizer's, so the codes and scales are quantize()'s bit for bit), its codes 128 at a time through an
-// L1 buffer and converted into the packed row -- no FP8 code tensor in memory, no second pass. sa: [M, nkb] scales
-// out. Returns the largest |x| as FP32 bits (NaN > inf > finite: the caller rejects non-finite input).
+// (the fused quantizer's, so the scales are quantize()'s bit for bit) and written as the values of its codes
+// (row_values: the rounded values themselves, no code formed) -- no FP8 code tensor, no conversion pass. sa: [M,
+// nkb] scales out. Returns the largest |x| as FP32 bits (NaN > inf > finite: the caller rejects non-finite input).
 template <typename T>
-uint32_t pack_a_quantized(const T* x, const Fmt& f, bool pow2, int fmt, const Shape& s, Value* out, float* sa) {
-  constexpr int64_t kRows = 16, kChunk = 128;
+uint32_t pack_a_quantized(const T* x, const Fmt& f, bool pow2, const Shape& s, Value* out, float* sa) {
+  constexpr int64_t kRows = 16;
   const Consts cst = consts_of(f);
   std::atomic<uint32_t> amax_all{0};
   at::parallel_for(0, (s.m + kRows - 1) / kRows, 1, [&](int64_t lo, int64_t hi) {
     uint32_t local = 0;
-    alignas(64) uint8_t codes[kChunk];
-    alignas(64) float sv[kChunk];
     for (int64_t r = lo * kRows; r < std::min(s.m, hi * kRows); ++r) {
       const T* row = x + r * s.k;
       Value* dst = out + r * s.kp;
@@ -361,12 +360,7 @@ uint32_t pack_a_quantized(const T* x, const Fmt& f, bool pow2, int fmt, const Sh
         const float scale = scale_of(am, f, pow2);
         local = am > local ? am : local;
         sa[r * s.nkb + kb] = scale;
-        std::fill(sv, sv + kChunk, scale);
-        for (int64_t j = 0; j < len; j += kChunk) {
-          const int64_t w = std::min(kChunk, len - j);
-          row_loop<T, false, true>(row + c0 + j, sv, nullptr, codes, w, cst);
-          convert_run(codes, w, fmt, dst + kb * s.block_pad + j);
-        }
+        row_values<T, Value>(row + c0, scale, dst + kb * s.block_pad, len, cst);
         std::fill(dst + kb * s.block_pad + len, dst + (kb + 1) * s.block_pad, Value(0));
       }
     }
@@ -492,6 +486,16 @@ void rows(const Elem* ap, const Elem* bp, const float* sa, const float* sbp, flo
   for (; t + NV <= t0 + ntiles; t += NV)
     micro<MR, NV>(ap, bp + t * bstride, sa, sbp + t * s.nkb * kLanes, c + t * kLanes, s.n,
                   std::min<int64_t>(NV * kLanes, s.n - t * kLanes), s, kb0, kb1);
+  // the rest: half a panel at once where it fits (e.g. 8 tiles in panels of 3, 3, 2: the last 2 with 2 x MR
+  // independent sums instead of MR, twice), then tile by tile
+  constexpr int kHalf = (NV + 1) / 2;
+  if constexpr (kHalf > 1 && kHalf < NV) {
+    if (t + kHalf <= t0 + ntiles) {
+      micro<MR, kHalf>(ap, bp + t * bstride, sa, sbp + t * s.nkb * kLanes, c + t * kLanes, s.n,
+                       std::min<int64_t>(kHalf * kLanes, s.n - t * kLanes), s, kb0, kb1);
+      t += kHalf;
+    }
+  }
   for (; t < t0 + ntiles; ++t)
     micro<MR, 1>(ap, bp + t * bstride, sa, sbp + t * s.nkb * kLanes, c + t * kLanes, s.n,
                  std::min<int64_t>(kLanes, s.n - t * kLanes), s, kb0, kb1);
@@ -624,10 +628,25 @@ void run_gemm(const Value* ap, const float* sad, const at::Tensor& b_values, con
   }
 }
 
-// A's packed values (uninitialized: the packers write every element, padding included)
-at::Tensor a_buffer(const Shape& s, const at::Tensor& like) {
-  const bool bf16 = std::is_same<Value, uint16_t>::value;
-  return at::empty({s.m * s.kp}, like.options().dtype(bf16 ? at::kShort : at::kFloat));
+// A's packed values: a buffer the calling thread keeps between calls (the packers write every element, padding
+// included, so it is never cleared), up to kScratchBytes; a larger A gets a buffer of its own for the call. A fresh
+// buffer per call costs a page fault and a zeroing per 4 KB page (glibc hands blocks this large back to the system
+// when they are freed): at the tiny model's shapes up to half of the op's time, and it varied from call to call.
+constexpr size_t kScratchBytes = size_t(64) << 20;
+
+Value* a_buffer(const Shape& s, std::unique_ptr<Value[]>& own) {
+  static thread_local std::unique_ptr<Value[]> kept;
+  static thread_local size_t kept_size = 0;
+  const size_t need = static_cast<size_t>(s.m * s.kp);
+  if (need * sizeof(Value) > kScratchBytes) {
+    own.reset(new Value[need]);  // default-initialized: no zeroing pass
+    return own.get();
+  }
+  if (kept_size < need) {
+    kept.reset(new Value[need]);
+    kept_size = need;
+  }
+  return kept.get();
 }
 
 }  // namespace
@@ -641,8 +660,8 @@ at::Tensor fp8_gemm_packed(const at::Tensor& a, int64_t a_fmt, const at::Tensor&
   check_packed(s, b_values, b_scales);
   if (s.m == 0 || s.n == 0 || s.nkb == 0) return at::zeros({s.m, s.n}, a.options().dtype(at::kFloat));
   auto out = at::empty({s.m, s.n}, a.options().dtype(at::kFloat));  // every element is written by its micro call
-  auto ap = a_buffer(s, a);
-  Value* apd = reinterpret_cast<Value*>(ap.data_ptr());
+  std::unique_ptr<Value[]> own;
+  Value* apd = a_buffer(s, own);
   pack_a(a.data_ptr<uint8_t>(), a.stride(0), a.stride(1), fmt_index(a_fmt), s, apd);
   run_gemm(apd, sa.data_ptr<float>(), b_values, b_scales, s, out.data_ptr<float>());
   return out;
@@ -668,11 +687,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_quant_gemm_packed(const at::T
   if (s.m == 0 || s.n == 0 || s.nkb == 0) return {at::zeros({s.m, s.n}, fopt), sa.zero_(), amax};
   const int fmt = fmt_index(a_fmt);
   const Fmt f = fmt == 0 ? Fmt{448.0f, 3, -9} : Fmt{57344.0f, 2, -16};
-  auto ap = a_buffer(s, x);
-  Value* apd = reinterpret_cast<Value*>(ap.data_ptr());
+  std::unique_ptr<Value[]> own;
+  Value* apd = a_buffer(s, own);
   const uint32_t am = x.scalar_type() == at::kFloat
-      ? pack_a_quantized<float>(x.data_ptr<float>(), f, pow2, fmt, s, apd, sa.data_ptr<float>())
-      : pack_a_quantized<at::BFloat16>(x.data_ptr<at::BFloat16>(), f, pow2, fmt, s, apd, sa.data_ptr<float>());
+      ? pack_a_quantized<float>(x.data_ptr<float>(), f, pow2, s, apd, sa.data_ptr<float>())
+      : pack_a_quantized<at::BFloat16>(x.data_ptr<at::BFloat16>(), f, pow2, s, apd, sa.data_ptr<float>());
   amax.fill_(u2f(am));
   auto out = at::empty({s.m, s.n}, fopt);
   run_gemm(apd, sa.data_ptr<float>(), b_values, b_scales, s, out.data_ptr<float>());

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -98,6 +99,31 @@ void row_loop(const T* __restrict xr, const float* __restrict sv, float* __restr
       const uint32_t sub_code = static_cast<uint32_t>(static_cast<int32_t>(ar * inv_sub));  // exact, 0..2**mbits
       const uint32_t nrm_code = ((((ua >> 23) - 127u + bias) << mbits) | ((ua >> shift) & mmask));
       q[j] = static_cast<uint8_t>(((ur >> 24) & 0x80u) | (ar < thr ? sub_code : nrm_code));
+    }
+  }
+}
+
+// One group of a row with one scale: the same division, clamp and rounding as row_loop, writing the rounded values
+// themselves (on the FP8 grid, |v| <= fp8_max) as V: float, or uint16_t for the BF16 pattern (the top half of the
+// FP32 pattern, exact: an FP8 value has at most 4 significant bits) -- the value of the code row_loop would write,
+// without forming the code. What the CPU FP8 GEMM multiplies (gemm.cpp).
+template <typename T, typename V>
+void row_values(const T* __restrict xr, float s, V* __restrict out, int64_t k, const Consts& cs) {
+  const float c = cs.c, thr = cs.thr, mx = cs.mx;
+  const int shift = cs.shift;
+  const uint32_t half = cs.half, mask = cs.mask;
+  for (int64_t j = 0; j < k; ++j) {
+    float bv = load<T>(xr, j) / s;
+    bv = bv > mx ? mx : (bv < -mx ? -mx : bv);
+    const uint32_t u = f2u(bv);
+    const float nrm = u2f((u + half + ((u >> shift) & 1u)) & mask);
+    const float ab = std::fabs(bv);
+    const float sub = std::copysign((ab + c) - c, bv);
+    const float rv = ab < thr ? sub : nrm;
+    if constexpr (std::is_same<V, float>::value) {
+      out[j] = rv;
+    } else {
+      out[j] = static_cast<V>(f2u(rv) >> 16);
     }
   }
 }

@@ -245,6 +245,24 @@ def test_quantizing_inside_the_op_gives_quantizes_codes_and_the_same_bits(dtype,
         assert torch.equal(gemm.fp8_quant_gemm_packed(x, fmt, packed, pow2=pow2), want)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantizing_inside_the_op_passes_every_value_through(fmt):
+    """Inside the op the quantized values go to the BF16 units without forming their codes: each row holding every
+    finite value of the format (amax = the format's max, so the rowwise scale is 1 and quantization is exact) times
+    the identity gives every value back."""
+    assert gemm.available(), gemm.path()
+    dt = FP8_DTYPES[fmt]
+    values = torch.arange(256, dtype=torch.uint8).view(dt).to(torch.float32)
+    finite = values[torch.isfinite(values)]
+    n = len(finite)
+    cyclic = finite[(torch.arange(n).unsqueeze(1) + torch.arange(n).unsqueeze(0)) % n]
+    eye = torch.eye(n).to(torch.float8_e4m3fn).view(torch.uint8)
+    packed = gemm.pack_weight(eye, "e4m3", torch.ones(n, 1), n)
+    assert gemm.quantizes_into_pack("rowwise", packed)
+    y = gemm.fp8_quant_gemm_packed(cyclic, fmt, packed)
+    assert torch.equal(y, cyclic)
+
+
 def test_quantizing_inside_the_op_rejects_non_finite_input_as_quantize_does():
     from fp8core.quant import NON_FINITE
 
