@@ -18,6 +18,11 @@ columns; VDPBF16PS's internal rounding of the pair is the hardware's), so kinds 
 bound of the float64 reference, not bit for bit. The operation is registered with ``torch.library`` (schema in the
 C++ source, a fake kernel here) so it can be traced; it runs wherever fp8core/csrc builds (x86-64 Linux, AVX2 or
 better; fp8core.kernels).
+
+Activations whose quantization groups are the GEMM's K blocks (group128 against 128-column blocks, rowwise against
+one block of all of K) are quantized inside the op, straight into its packed layout
+(:func:`fp8_quant_gemm_packed`): the same scales and products as ``quantize()`` then :func:`fp8_gemm_packed`,
+without an FP8 code tensor or a conversion pass.
 """
 from __future__ import annotations
 
