@@ -72,10 +72,12 @@ __all__ = [
     "QuantizedTensor",
     "dequantize",
     "expand_scale",
+    "nonfinite_seen",
     "quantize",
     "quantize_dequantize",
     "quantize_columns",
     "quantize_dequantize_columns",
+    "quantize_on_device",
     "quantize_reference",
 ]
 
@@ -195,6 +197,15 @@ def quantize_reference(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", 
     """The plain whole-tensor implementation of :func:`quantize` (the specification the fast path is tested
     against bit for bit): FP32 copy, zero-padded group views, one division, clamp, cast."""
     _check_input(x, granularity, fmt)
+    q, amax = _quantize_whole(x, granularity, fmt, pow2)
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError(NON_FINITE)
+    return q
+
+
+def _quantize_whole(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> tuple[QuantizedTensor, torch.Tensor]:
+    """quantize_reference's arithmetic without its finiteness check: (the quantized tensor, the groups' amax). Only
+    tensor operations: no value is read back to the host."""
     scale_shape = _scale_shape(tuple(x.shape), granularity)  # validates the rank
     xf = x.detach().to(torch.float32)
     fp8_max = FP8_MAX[fmt]
@@ -221,8 +232,6 @@ def quantize_reference(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", 
         mb, kb = xp.shape[-2] // GROUP, xp.shape[-1] // GROUP
         view = xp.reshape(*xp.shape[:-2], mb, GROUP, kb, GROUP)
         amax = absmax(view, (-3, -1))
-    if not bool(torch.isfinite(amax).all()):
-        raise ValueError(NON_FINITE)
     scale = torch.clamp(amax / fp8_max, min=MIN_SCALE)
     if pow2:
         scale = _round_up_pow2(scale)
@@ -236,7 +245,42 @@ def quantize_reference(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", 
     else:
         scaled = (view / scale.unsqueeze(-1).unsqueeze(-3)).reshape(xp.shape)[..., : xf.shape[-2], : xf.shape[-1]]
     data = scaled.clamp_(-fp8_max, fp8_max).to(FP8_DTYPES[fmt])
-    return QuantizedTensor(data, scale.contiguous(), granularity, fmt)
+    return QuantizedTensor(data, scale.contiguous(), granularity, fmt), amax
+
+
+# ------------------------------------------------------------------------------------------ off the CPU
+# On a GPU (any device but the CPU) quantize runs the reference's whole-tensor arithmetic: a few vectorized kernels
+# and no host synchronization (the CPU paths below are tuned for caches and read the amax back to check it). A
+# non-finite check that raises would have to read the device, so there a group with a non-finite value gets a NaN
+# scale and NaN codes (whatever the GEMM makes of them is NaN), and a flag on the device records it with device
+# operations only; :func:`nonfinite_seen` reads and clears it where the caller synchronizes anyway (the trainer: its
+# finite-loss check) and the caller raises NON_FINITE, as quantize raises at once on a CPU.
+_NONFINITE: dict[torch.device, torch.Tensor] = {}
+
+
+def quantize_on_device(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool = False) -> QuantizedTensor:
+    """What :func:`quantize` runs off the CPU, on any device (the tests run it on CPU tensors and on the meta device,
+    where a host read fails): the codes and scales of :func:`quantize` bit for bit for finite input, no host
+    synchronization; non-finite input sets the device's flag (:func:`nonfinite_seen`) instead of raising."""
+    _check_input(x, granularity, fmt)
+    q, amax = _quantize_whole(x, granularity, fmt, pow2)
+    flag = _NONFINITE.get(amax.device)
+    if flag is None:
+        flag = _NONFINITE[amax.device] = torch.zeros((), dtype=torch.bool, device=amax.device)
+    flag.logical_or_(torch.isfinite(amax).all().logical_not())
+    return q
+
+
+def nonfinite_seen(device: torch.device | str) -> bool:
+    """Whether :func:`quantize_on_device` saw non-finite input on ``device`` since the last call, and clear the flag.
+    Reads the device (a synchronization): call it where the caller synchronizes anyway. False on the meta device."""
+    device = torch.device(device)
+    flag = _NONFINITE.get(device)
+    if flag is None or device.type == "meta":
+        return False
+    seen = bool(flag)
+    flag.zero_()
+    return seen
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -448,6 +492,8 @@ def quantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", pow2: bool
     use, else in cache-sized row chunks of torch ops.
     """
     _check_input(x, granularity, fmt)
+    if x.device.type != "cpu":
+        return quantize_on_device(x, granularity, fmt=fmt, pow2=pow2)
     scale_shape = _scale_shape(tuple(x.shape), granularity)
     x2 = _as_2d(x.detach(), granularity)
     if x2 is None:
@@ -465,6 +511,9 @@ def quantize_dequantize(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3",
     """``dequantize(quantize(x, ...))`` in one chunked pass, bit for bit (the FP32 values an emulated FP8 GEMM
     multiplies), plus the QuantizedTensor when ``keep_data``. x's shape is kept; the result is FP32 and contiguous."""
     _check_input(x, granularity, fmt)
+    if x.device.type != "cpu":
+        q = quantize_on_device(x, granularity, fmt=fmt, pow2=pow2)
+        return dequantize(q), (q if keep_data else None)
     scale_shape = _scale_shape(tuple(x.shape), granularity)
     x2 = _as_2d(x.detach(), granularity)
     if x2 is None:
@@ -495,6 +544,8 @@ def quantize_dequantize_columns(x: torch.Tensor, granularity: str, *, fmt: str =
     x = x.detach()
     if granularity == "tensorwise" or x.numel() == 0:  # elementwise with one scale: transposing commutes
         return quantize_dequantize(x, granularity, fmt=fmt, pow2=pow2)[0]
+    if x.device.type != "cpu":
+        return dequantize(quantize_on_device(x.t(), granularity, fmt=fmt, pow2=pow2)).t().contiguous()
     fused = _fused(x, _column_tile(granularity, x.shape[0]), fmt=fmt, pow2=pow2, want_dq=True, want_data=False)
     if fused is not None:
         return fused[0]
@@ -512,7 +563,7 @@ def quantize_columns(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", po
     if x.dim() != 2:
         raise ValueError(f"quantize_columns: x must be 2-D, got shape {tuple(x.shape)}")
     x = x.detach()
-    if x.numel() == 0:
+    if x.numel() == 0 or x.device.type != "cpu":  # off the CPU: the whole-tensor path reads the view as it is
         return quantize(x.t(), granularity, fmt=fmt, pow2=pow2)
     if granularity in ("tensorwise", "block128"):  # transpose-symmetric groupings
         return quantize(x, granularity, fmt=fmt, pow2=pow2).t()

@@ -17,7 +17,8 @@ Train step (one GRPO step on a batch of ``P`` prompts x ``G`` generations):
 4. The batch is split into ``P*G / train_global_batch_size`` optimizer steps, each accumulated over micro-batches
    with the loss normalizer = valid tokens (token-level loss) or sequences of the global batch, so accumulation
    reproduces the full-batch loss. Gradient norm clipped to ``max_grad_norm``; a non-finite loss or gradient skips
-   that optimizer step (counted in ``train/skipped_updates``; the weights are untouched).
+   that optimizer step (counted in ``train/skipped_updates``; the weights are untouched). Non-finite input to an FP8
+   quantization fails the step with quantize's error: at once on a CPU, at the loss check off the CPU.
    DAPO dynamic sampling (``grpo.dynamic_sampling``): groups whose rewards are all equal (zero advantage, no
    gradient) are *filtered out of the loss*, not re-sampled: the kept rows are split into
    ``ceil(kept / train_global_batch_size)`` updates of near-equal size, so their tokens are no longer diluted by
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fp8core.quant import NON_FINITE, nonfinite_seen
 from trainer.batch import Batch, _pad_cols
 from trainer.dp import all_min, clip_grad_norm, equal_count, full_tensor, gather_objects, token_chunks
 from trainer.dp import all_sum as dp_sum
@@ -221,7 +223,9 @@ def accumulate_update(worker, st: StepState, u: int, gidx: torch.Tensor) -> bool
             ref_logp=None if st.kl_ref_logp is None else st.kl_ref_logp[idx, :w].to(logp.device),
             kl_coef=lf.reference_policy_kl_penalty, kl_type=lf.reference_policy_kl_type,
             kl_input_clamp=lf.kl_input_clamp_value, kl_output_clamp=lf.kl_output_clamp_value)
-        if not torch.isfinite(loss):
+        loss_finite = bool(torch.isfinite(loss))  # the step reads the device here anyway
+        raise_if_fp8_saw_nonfinite(logp.device)
+        if not loss_finite:
             finite = False
             if worker.dp.active:  # this forward's collectives ran: its backward's must too (the update is skipped)
                 (logp.sum() * 0.0).backward()
@@ -260,6 +264,14 @@ def complete_old_logprobs(worker, st: StepState) -> None:
                                                   **st.is_kw)[0]
         st.known[missing] = True
         worker.model.train()
+
+
+def raise_if_fp8_saw_nonfinite(device: torch.device) -> None:
+    """Raise quantize's error if an FP8 quantization on ``device`` saw non-finite input since the last check. On a
+    CPU quantize raises at once; off the CPU it cannot without reading the device, so it flags the device
+    (fp8core.quant.nonfinite_seen) and the step checks the flag where it reads the loss anyway. No flag, no read."""
+    if nonfinite_seen(device):
+        raise ValueError(NON_FINITE)
 
 
 def optimizer_step(worker, st: StepState, u: int, finite: bool) -> None:

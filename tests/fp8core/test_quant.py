@@ -441,3 +441,63 @@ def test_fast_paths_reject_non_finite(bad, granularity, monkeypatch):
     if granularity != "block128":
         with pytest.raises(ValueError, match="non-finite"):
             quantize_dequantize_columns(x, granularity)
+
+
+# ---------------------------------------------------------------------------------------------- off the CPU
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_device_quantizer_gives_the_cpu_quantizers_bits(granularity, fmt, pow2, dtype):
+    """What quantize runs off the CPU (quantize_on_device, run here on CPU tensors) against the CPU quantizer (its
+    fused kernel / chunked path): the same codes and scales on every shape and the edge table, 3-D and transposed
+    inputs too, and its device flag stays clear on finite input."""
+    from fp8core.quant import nonfinite_seen, quantize_on_device
+
+    nonfinite_seen("cpu")
+    for m, k in SHAPES_2D:
+        x = _edge_matrix(m, k, fmt).to(dtype)
+        for inp in (x, x.t()) if granularity != "block128" else (x,):
+            want = quantize(inp, granularity, fmt=fmt, pow2=pow2)
+            got = quantize_on_device(inp, granularity, fmt=fmt, pow2=pow2)
+            assert torch.equal(_bits(got.data.contiguous()), _bits(want.data.contiguous())), (m, k)
+            assert torch.equal(_bits(got.scale), _bits(want.scale)), (m, k)
+    if granularity in ("group128", "rowwise"):
+        x3 = torch.randn(2, 5, 300).to(dtype)
+        assert torch.equal(_bits(quantize_on_device(x3, granularity, fmt=fmt).data),
+                           _bits(quantize(x3, granularity, fmt=fmt).data))
+    assert not nonfinite_seen("cpu")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_the_device_quantizer_flags_non_finite_input_without_reading_the_device(bad):
+    """Off the CPU a non-finite group cannot raise without a host read: its scale comes out non-finite and the bad
+    value's code NaN, so a GEMM over it gives NaN (the other groups are untouched); the device's flag is set, and
+    nonfinite_seen reads and clears it."""
+    from fp8core.quant import nonfinite_seen, quantize_on_device
+
+    nonfinite_seen("cpu")
+    x = torch.randn(4, 384)
+    x[2, 200] = bad
+    q = quantize_on_device(x, "group128")
+    assert not bool(q.scale[2, 1].isfinite()) and bool(q.data[2, 200].float().isnan())
+    clean = quantize(torch.cat([x[:2], x[3:]]), "group128")
+    assert torch.equal(_bits(torch.cat([q.data[:2], q.data[3:]])), _bits(clean.data))
+    assert nonfinite_seen("cpu") and not nonfinite_seen("cpu")
+    with pytest.raises(ValueError, match="non-finite"):  # the CPU quantizer raises at once
+        quantize(x, "group128")
+
+
+def test_quantize_runs_on_the_meta_device():
+    """On the meta device no value can be read back to the host: quantize and its companions run there (what a GPU
+    runs, with no synchronization) and give the CPU's shapes, dtypes and layouts."""
+    for gran in GRANULARITIES:
+        x = torch.empty(300, 520, device="meta")
+        q = quantize(x, gran, fmt="e5m2")
+        ref = quantize(torch.zeros(300, 520), gran, fmt="e5m2")
+        assert q.data.device.type == "meta" and q.data.dtype == ref.data.dtype
+        assert q.data.shape == ref.data.shape and q.scale.shape == ref.scale.shape
+        assert quantize_dequantize(x, gran)[0].shape == (300, 520)
+        if gran != "block128":
+            assert quantize_columns(x, gran).data.shape == (520, 300)
+            assert quantize_dequantize_columns(x, gran).shape == (300, 520)

@@ -508,3 +508,23 @@ def test_reference_kl_is_zero_at_the_start_then_the_hand_computed_k3(model_dir):
     m2 = w.train_step(ro, rewards, step=2)
     assert m2["loss/reference_kl"] == pytest.approx(sum(k3) / len(k3), rel=1e-4) and m2["loss/reference_kl"] > 0
     assert m2["loss/total"] == pytest.approx(m2["loss/pg"] + 0.1 * m2["loss/reference_kl"], rel=1e-5, abs=1e-7)
+
+
+def test_the_step_raises_the_quantizers_error_for_a_flagged_device():
+    """Off the CPU the FP8 quantizer flags non-finite input instead of raising (no host read); the train step's
+    check, where it reads the loss anyway, raises quantize's error then, once, and stays quiet for clean input.
+    (Exercised here through the device quantizer on CPU tensors.)"""
+    from fp8core.quant import NON_FINITE, quantize_on_device
+    from trainer.train_step import raise_if_fp8_saw_nonfinite
+
+    cpu = torch.device("cpu")
+    raise_if_fp8_saw_nonfinite(cpu)  # nothing flagged yet (or cleared)
+    quantize_on_device(torch.randn(4, 256), "group128")
+    raise_if_fp8_saw_nonfinite(cpu)
+    bad = torch.randn(4, 256)
+    bad[1, 7] = float("nan")
+    quantize_on_device(bad, "group128")
+    with pytest.raises(ValueError) as got:
+        raise_if_fp8_saw_nonfinite(cpu)
+    assert str(got.value) == NON_FINITE
+    raise_if_fp8_saw_nonfinite(cpu)  # read and cleared
