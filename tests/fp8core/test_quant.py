@@ -308,7 +308,7 @@ def test_property_round_trip_relative_to_group_amax(m, k, granularity, fmt, pow2
 
 
 # ------------------------------------------------------------------ fast paths == the plain reference, bit for bit
-from fp8core import quant as _quant  # noqa: E402
+from fp8core import quant_chunked as _quant  # noqa: E402 (the torch-ops path quantize calls)
 from fp8core.quant import (  # noqa: E402
     quantize_columns,
     quantize_dequantize,
