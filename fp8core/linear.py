@@ -32,9 +32,10 @@ precision) of the FP32 additions, so they agree to a tolerance, not bit for bit:
   in any batch).
 * ``"emulated"``: dequantize both operands to FP32 and run an FP32 matmul (torch's GEMM: its order depends on the
   shapes, so a row's output can change with its batch). The reference the other two are compared with.
-* ``"scaled_mm"``: ``torch._scaled_mm`` on the FP8 data. Tensorwise is one call with the two scalar scales; otherwise
-  K is cut into 128-wide chunks (one chunk for rowwise), each chunk's FP8 product is computed with per-row scales of
-  both operands and the chunk results are summed in FP32.
+* ``"scaled_mm"``: torch's scaled_mm on the FP8 data, one call per GEMM (fp8core/scaled_mm.py): blockwise E4M3 through
+  torch's one-call blockwise GEMM, rowwise / tensorwise with row / tensor scales; blockwise with E5M2 gradients (and
+  where torch does not support the blockwise call, e.g. on a CPU) as one call per 128-wide K chunk, the chunks summed
+  in FP32.
 
 ``"auto"`` picks scaled_mm on CUDA devices with FP8 GEMMs (capability >= 8.9), the CPU op on a CPU with BF16 units
 where fp8core/csrc built, and the emulation elsewhere (see :func:`resolve_backend`).
@@ -157,7 +158,7 @@ def fp8_mm(a: QuantizedTensor, b: QuantizedTensor, *, backend: str = "emulated")
 
     Allowed granularities: tensorwise, rowwise, group128 (all along K, the last dim) and block128 (symmetric).
     backend "cpu" (the CPU FP8 GEMM, fp8core.gemm), "emulated" (FP32 matmul of dequantized operands) or
-    "scaled_mm" (torch._scaled_mm, K-chunked).
+    "scaled_mm" (torch's scaled_mm, fp8core.scaled_mm).
     """
     _check_choice(backend, ("cpu", "emulated", "scaled_mm"), "backend")
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
