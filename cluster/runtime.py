@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.auth import apply_auth, ray_auth
+from configs.base import collective_timeout_s
 from configs.schema import Config
 from process.env import cache_env
 from process.faults import TestHooks
@@ -214,12 +215,13 @@ def start_policy_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag:
         init = get(ray.remote(free_endpoint).options(num_cpus=0, **place(0)).remote())
     names = tuple(f"fp8grpo-policy-{tag}" if r == 0 else f"fp8grpo-policy-{tag}-{r}" for r in range(m))
     pins = cpu_pins(cfg)
+    timeout = collective_timeout_s(cfg.cluster.collective_timeout_s, pw.num_gpus)  # 60 s CPU / 600 s GPU when null
     handles = tuple(ray.remote(_policy_actor_class()).options(
         name=names[r], num_cpus=pw.num_cpus, num_gpus=pw.num_gpus,
         runtime_env={"env_vars": {**(env or {}), **pin_env(pins, r)}},
         max_concurrency=1, **place(r)).remote(
             str(model_dir), cfg, run_dir=str(run_dir),
-            dp=DPGroup(r, m, init, cfg.cluster.collective_timeout_s) if m > 1 else None, hooks=hooks) for r in range(m))
+            dp=DPGroup(r, m, init, timeout) if m > 1 else None, hooks=hooks) for r in range(m))
     return names, handles
 
 

@@ -28,3 +28,15 @@ MOE_SIZE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 FP8_RECIPE_KEYS = {"fp8_recipe": "recipe", "num_first_layers_in_bf16": "num_first_layers_in_bf16",
                    "num_last_layers_in_bf16": "num_last_layers_in_bf16",
                    "pow2_weight_scaling_factors": "pow2_weight", "pow2_activation_scaling_factors": "pow2_activation"}
+
+# cluster.collective_timeout_s when null: CPU trainers (gloo) fail fast on a dead rank; GPU trainers (NCCL) wait
+# while rank 0 does tens of seconds of CPU work between collectives (the refit's gather), so at least this much.
+CPU_COLLECTIVE_TIMEOUT_S = 60.0
+GPU_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+def collective_timeout_s(value: float | None, trainer_gpus: float) -> float:
+    """The trainers' collective timeout: ``cluster.collective_timeout_s``, or its default for CPU / GPU trainers."""
+    if value is not None:
+        return float(value)
+    return GPU_COLLECTIVE_TIMEOUT_S if trainer_gpus > 0 else CPU_COLLECTIVE_TIMEOUT_S

@@ -407,7 +407,9 @@ class ClusterCfg:
     gpus_per_node: int = 0
     rollout_workers: int = 1
     policy_workers: int = 1  # data-parallel trainers: FSDP2-sharded ranks of one process group (trainer/dp.py)
-    collective_timeout_s: float = 60.0  # a dead trainer rank fails the step within this (gloo's default: 30 min)
+    # a dead trainer rank fails the step within this (gloo's default: 30 min); None: 60 s for CPU trainers, 600 s for
+    # GPU trainers (NCCL's collectives wait while rank 0 does tens of seconds of CPU work: the refit's gather)
+    collective_timeout_s: float | None = None
     # Ray restarts a dead rollout engine (its process killed, OOM, a crash) up to this many times in a run; the step
     # whose refit or rollout it broke waits for the new engine and redoes refit + rollout (same seeds, so the same
     # samples). 0: a dead engine fails the run. A dead trainer always stops the run (resume from the last checkpoint).

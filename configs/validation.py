@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from configs.base import EMBEDDED, FP8_RECIPE_KEYS, MOE_SIZE_KEYS, TINY_MODEL_SIZE, _check
+from configs.base import EMBEDDED, FP8_RECIPE_KEYS, GPU_COLLECTIVE_TIMEOUT_S, MOE_SIZE_KEYS, TINY_MODEL_SIZE, _check
 
 
 def validate_config(c):
@@ -171,8 +171,14 @@ def _validate_cluster(c):
            f"must be >= 1 (the number of vLLM engines), got {c.cluster.rollout_workers}")
     _check(c.cluster.policy_workers >= 1, "cluster.policy_workers",
            f"must be >= 1 (the number of data-parallel trainers), got {c.cluster.policy_workers}")
-    _check(0 < c.cluster.collective_timeout_s <= 3600, "cluster.collective_timeout_s",
-           f"{c.cluster.collective_timeout_s}: must be in (0, 3600] seconds")
+    timeout = c.cluster.collective_timeout_s
+    _check(timeout is None or 0 < timeout <= 3600, "cluster.collective_timeout_s",
+           f"{timeout}: must be in (0, 3600] seconds (or null: 60 s on CPU trainers, 600 s on GPU trainers)")
+    _check(timeout is None or timeout >= GPU_COLLECTIVE_TIMEOUT_S or c.ray.policy_worker.num_gpus == 0
+           or c.cluster.policy_workers == 1, "cluster.collective_timeout_s",
+           f"{timeout} s with GPU trainers (ray.policy_worker.num_gpus {c.ray.policy_worker.num_gpus}): NCCL's "
+           f"collectives wait while rank 0 does tens of seconds of CPU work; use >= {GPU_COLLECTIVE_TIMEOUT_S:.0f} "
+           "or null")
     _check(c.cluster.rollout_max_restarts >= 0, "cluster.rollout_max_restarts",
            f"must be >= 0 (0: a dead rollout engine fails the run), got {c.cluster.rollout_max_restarts}")
     for name, w in (("policy_worker", c.ray.policy_worker), ("rollout_worker", c.ray.rollout_worker)):

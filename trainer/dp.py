@@ -34,8 +34,8 @@ with zero-weighted micro-batches (``0 x`` the loss of one row: every layer's bac
   full FP32 state (4 bytes per parameter) and the payload (FP8 codes and scales, BF16 for the rest) on top of its
   shard; the other ranks hold nothing more.
 
-Every collective has the group's timeout (``cluster.collective_timeout_s``, default 60 s): a dead rank fails the
-step within it instead of gloo's 30-minute default.
+Every collective has the group's timeout (``cluster.collective_timeout_s``; by default 60 s on CPU, 600 s on GPUs): a
+dead rank fails the step within it instead of gloo's 30-minute default.
 """
 
 from __future__ import annotations

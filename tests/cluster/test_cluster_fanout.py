@@ -55,8 +55,27 @@ def test_placement_bundles_policy_first_then_one_per_engine():
     (["ray.rollout_worker.num_cpus=0"], "ray.rollout_worker.num_cpus", "cannot be empty"),
     (["cluster.rollout_workers=3", "ray.rollout_worker.num_gpus=1", "cluster.gpus_per_node=2"],
      "cluster.gpus_per_node", "= 3.0 exceed"),
+    (["cluster.policy_workers=2", "ray.policy_worker.num_gpus=1", "cluster.gpus_per_node=2",
+      "cluster.collective_timeout_s=60"], "cluster.collective_timeout_s", ">= 600 or null"),
 ])
 def test_cluster_keys_rejected_with_their_path(overrides, key, needle):
     with pytest.raises(ConfigError) as e:
         load_config(RECIPE, overrides)
     assert str(e.value).startswith(key + ":") and needle in str(e.value), str(e.value)
+
+
+def test_the_collective_timeout_defaults_to_the_trainers_device():
+    """Null: 60 s for CPU trainers (a dead rank fails fast), 600 s for GPU trainers (NCCL waits while rank 0 does CPU
+    work); a value set is kept, and with GPU trainers it may be 600 s or more."""
+    from configs.base import collective_timeout_s
+
+    cpu = load_config(RECIPE, ["cluster.policy_workers=2"])
+    gpu = load_config(RECIPE, ["cluster.policy_workers=2", "ray.policy_worker.num_gpus=1", "cluster.gpus_per_node=2"])
+    assert cpu.cluster.collective_timeout_s is None and gpu.cluster.collective_timeout_s is None
+    assert collective_timeout_s(None, cpu.ray.policy_worker.num_gpus) == 60.0
+    assert collective_timeout_s(None, gpu.ray.policy_worker.num_gpus) == 600.0
+    kept = load_config(RECIPE, ["cluster.policy_workers=2", "ray.policy_worker.num_gpus=1", "cluster.gpus_per_node=2",
+                                "cluster.collective_timeout_s=900"])
+    assert collective_timeout_s(kept.cluster.collective_timeout_s, 1) == 900.0
+    assert collective_timeout_s(load_config(RECIPE, ["cluster.collective_timeout_s=5"]).cluster.collective_timeout_s,
+                                0) == 5.0
