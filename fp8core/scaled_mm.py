@@ -44,7 +44,10 @@ def _pad_u8(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out.view(data.dtype)
 
 
-_ROWSCALED_FP32_UNSUPPORTED: set[str] = set()  # device types whose _scaled_mm rejects row scales with FP32 output
+# device type -> why: the calls torch rejected there as unsupported (the fallback then runs; see paths())
+_ROWSCALED_FP32_UNSUPPORTED: dict[str, str] = {}  # row scales with FP32 output
+_BLOCKWISE_UNSUPPORTED: dict[str, str] = {}  # the one-call blockwise GEMM
+_BLOCKWISE_RAN: set[str] = set()  # device types where the one-call blockwise GEMM ran
 
 
 def _scaled_mm_rows(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
@@ -59,7 +62,7 @@ def _scaled_mm_rows(a8: torch.Tensor, b8: torch.Tensor, sa: torch.Tensor, sb: to
         except (RuntimeError, ValueError, NotImplementedError) as e:  # e.g. row-scaled kernels that emit BF16 only
             if not unsupported(e):
                 raise
-            _ROWSCALED_FP32_UNSUPPORTED.add(dev)  # then scale in FP32 ourselves
+            _ROWSCALED_FP32_UNSUPPORTED[dev] = str(e).splitlines()[0][:200]  # then scale in FP32 ourselves
     one = torch.ones((), dtype=torch.float32, device=a8.device)
     raw = _scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
     return raw * sa.reshape(-1, 1) * sb.reshape(1, -1)
@@ -97,7 +100,6 @@ def unsupported(e: BaseException) -> bool:
     return "out of memory" not in msg and any(h in msg for h in _UNSUPPORTED_HINTS)
 
 
-_BLOCKWISE_UNSUPPORTED: set[str] = set()  # device types whose torch rejected the one-call blockwise GEMM
 _BLOCKWISE_FORMS = {("group128", "block128"), ("group128", "group128")}
 
 
@@ -159,9 +161,29 @@ def _blockwise(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
     except (RuntimeError, ValueError, NotImplementedError) as e:
         if not unsupported(e):
             raise
-        _BLOCKWISE_UNSUPPORTED.add(dev)
+        _BLOCKWISE_UNSUPPORTED[dev] = str(e).splitlines()[0][:200]
         return None
+    _BLOCKWISE_RAN.add(dev)
     return out[:, :n]
+
+
+def paths(device: torch.device | str) -> dict[str, str]:
+    """Which path the GEMMs took on ``device`` in this process (bench/gpu_check.py records it): blockwise E4M3 as one
+    call or chunked (and why), rowwise with FP32 output or scaled after the GEMM (and why)."""
+    import torch.nn.functional as F
+
+    dev = torch.device(device).type
+    if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
+        blockwise = "chunked: this torch has no torch.nn.functional.scaled_mm"
+    elif dev in _BLOCKWISE_UNSUPPORTED:
+        blockwise = f"chunked (one call per 128-wide K chunk): {_BLOCKWISE_UNSUPPORTED[dev]}"
+    elif dev in _BLOCKWISE_RAN:
+        blockwise = "one call of torch.nn.functional.scaled_mm (blockwise scaling)"
+    else:
+        blockwise = "not run yet"
+    rowwise = (f"scaled in FP32 after the GEMM: {_ROWSCALED_FP32_UNSUPPORTED[dev]}" if dev in _ROWSCALED_FP32_UNSUPPORTED
+               else "row scales in the call, FP32 output")
+    return {"blockwise_e4m3": blockwise, "rowwise": rowwise}
 
 
 def _fp8_mm_scaled(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:

@@ -78,7 +78,7 @@ def _counting(monkeypatch):
     if real_f is not None:
         monkeypatch.setattr(F, "scaled_mm", f)
     monkeypatch.setattr(torch, "_scaled_mm", t)
-    monkeypatch.setattr(smm, "_BLOCKWISE_UNSUPPORTED", set())
+    monkeypatch.setattr(smm, "_BLOCKWISE_UNSUPPORTED", {})
     return calls
 
 
@@ -111,12 +111,14 @@ def test_on_a_cpu_the_blockwise_call_is_unsupported_and_the_chunked_path_runs(mo
     """A CPU's torch rejects blockwise scaling ("Invalid scaling configuration"): the first blockwise GEMM marks the
     CPU unsupported and runs the chunked path, which agrees with the emulation; so on a CPU the one-call path itself
     is checked only through the meta device and the twin above."""
-    monkeypatch.setattr(smm, "_BLOCKWISE_UNSUPPORTED", set())
+    monkeypatch.setattr(smm, "_BLOCKWISE_UNSUPPORTED", {})
     for name, a, b in _forms(7, 520, 300, seed=3):
         got = fp8_mm(a, b, backend="scaled_mm")
         want = dequantize(a) @ dequantize(b).t()
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), name
-    assert smm._BLOCKWISE_UNSUPPORTED == {"cpu"}
+    assert set(smm._BLOCKWISE_UNSUPPORTED) == {"cpu"}
+    assert smm.paths("cpu")["blockwise_e4m3"].startswith("chunked") and "Invalid scaling" in smm.paths("cpu")[
+        "blockwise_e4m3"]
 
 
 def test_only_unsupported_errors_select_a_fallback(monkeypatch):
@@ -135,18 +137,18 @@ def test_only_unsupported_errors_select_a_fallback(monkeypatch):
     def raise_oom(*args, **kw):
         raise oom
 
-    monkeypatch.setattr(smm, "_BLOCKWISE_UNSUPPORTED", set())
-    monkeypatch.setattr(smm, "_ROWSCALED_FP32_UNSUPPORTED", set())
+    monkeypatch.setattr(smm, "_BLOCKWISE_UNSUPPORTED", {})
+    monkeypatch.setattr(smm, "_ROWSCALED_FP32_UNSUPPORTED", {})
     if HAS_BLOCKWISE:
         monkeypatch.setattr(F, "scaled_mm", raise_oom)
         with pytest.raises(torch.OutOfMemoryError):
             fp8_mm(a, b, backend="scaled_mm")
-        assert smm._BLOCKWISE_UNSUPPORTED == set()
+        assert smm._BLOCKWISE_UNSUPPORTED == {}
     rq, wq = quantize(torch.randn(8, 256), "rowwise"), quantize(torch.randn(128, 256), "rowwise")
     monkeypatch.setattr(torch, "_scaled_mm", raise_oom)
     with pytest.raises(torch.OutOfMemoryError):
         fp8_mm(rq, wq, backend="scaled_mm")
-    assert smm._ROWSCALED_FP32_UNSUPPORTED == set()
+    assert smm._ROWSCALED_FP32_UNSUPPORTED == {}
 
 
 def test_e5m2_is_not_a_blockwise_form():
