@@ -75,23 +75,29 @@ inline Consts consts_of(const Fmt& f) {
   return k;
 }
 
+// b = x / scale clamped to +-fp8_max and rounded to the FP8 grid (module comment): the value of b's FP8 code.
+// Branch-free and always inlined, so the row loops below still vectorize.
+__attribute__((always_inline)) inline float round_to_grid(float bv, const Consts& cs) {
+  bv = bv > cs.mx ? cs.mx : (bv < -cs.mx ? -cs.mx : bv);
+  const uint32_t u = f2u(bv);
+  const float nrm = u2f((u + cs.half + ((u >> cs.shift) & 1u)) & cs.mask);
+  const float ab = std::fabs(bv);
+  const float sub = std::copysign((ab + cs.c) - cs.c, bv);
+  return ab < cs.thr ? sub : nrm;  // on the FP8 grid, |rv| <= fp8_max
+}
+
 // One row: divide by the per-column scale, clamp, round to the FP8 grid, write dq and/or codes. Compile-time
 // outputs and no branches in the body, so the compiler vectorizes it (checked with -fopt-info-vec).
 template <typename T, bool DQ, bool CODES>
 void row_loop(const T* __restrict xr, const float* __restrict sv, float* __restrict o, uint8_t* __restrict q,
               int64_t k, const Consts& cs) {
-  const float c = cs.c, thr = cs.thr, inv_sub = cs.inv_sub, mx = cs.mx;
+  const float thr = cs.thr, inv_sub = cs.inv_sub;
   const int shift = cs.shift, mbits = cs.mbits;
-  const uint32_t half = cs.half, mask = cs.mask, mmask = cs.mmask, bias = cs.bias;
+  const uint32_t mmask = cs.mmask, bias = cs.bias;
+  const Consts kc = cs;  // a local copy: its fields stay in registers across the loop
   for (int64_t j = 0; j < k; ++j) {
     const float sj = sv[j];
-    float bv = load<T>(xr, j) / sj;
-    bv = bv > mx ? mx : (bv < -mx ? -mx : bv);
-    const uint32_t u = f2u(bv);
-    const float nrm = u2f((u + half + ((u >> shift) & 1u)) & mask);
-    const float ab = std::fabs(bv);
-    const float sub = std::copysign((ab + c) - c, bv);
-    const float rv = ab < thr ? sub : nrm;  // on the FP8 grid, |rv| <= fp8_max
+    const float rv = round_to_grid(load<T>(xr, j) / sj, kc);
     if (DQ) o[j] = rv * sj;
     if (CODES) {
       const uint32_t ur = f2u(rv), ua = ur & 0x7FFFFFFFu;
@@ -109,17 +115,9 @@ void row_loop(const T* __restrict xr, const float* __restrict sv, float* __restr
 // without forming the code. What the CPU FP8 GEMM multiplies (gemm.cpp).
 template <typename T, typename V>
 void row_values(const T* __restrict xr, float s, V* __restrict out, int64_t k, const Consts& cs) {
-  const float c = cs.c, thr = cs.thr, mx = cs.mx;
-  const int shift = cs.shift;
-  const uint32_t half = cs.half, mask = cs.mask;
+  const Consts kc = cs;  // a local copy: its fields stay in registers across the loop
   for (int64_t j = 0; j < k; ++j) {
-    float bv = load<T>(xr, j) / s;
-    bv = bv > mx ? mx : (bv < -mx ? -mx : bv);
-    const uint32_t u = f2u(bv);
-    const float nrm = u2f((u + half + ((u >> shift) & 1u)) & mask);
-    const float ab = std::fabs(bv);
-    const float sub = std::copysign((ab + c) - c, bv);
-    const float rv = ab < thr ? sub : nrm;
+    const float rv = round_to_grid(load<T>(xr, j) / s, kc);
     if constexpr (std::is_same<V, float>::value) {
       out[j] = rv;
     } else {
