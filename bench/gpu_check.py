@@ -1,8 +1,9 @@
 """GPU readiness check: the trainer's FP8 GEMMs and quantizer on the device against fp8core's CPU reference, which
 GEMM path ran, FP8 / BF16 linear speed, quantize throughput, and one FP8 training step of the tiny model. Needs only
-torch and transformers (no vLLM, Ray or Prefect); runs on torch 2.11 as well as the project's pin; writes one JSON.
+torch and transformers (no vLLM, Ray or Prefect); written for torch 2.11 as well as the project's pin (the one-call
+blockwise GEMM, new in torch's functional API, is used only where torch has it; not yet run on 2.11); writes one JSON.
 
-    bash bench/gpu_check.sh                                   # one H100 / H200: ~2-4 minutes
+    bash bench/gpu_check.sh                                   # one H100 / H200: expected 2-4 minutes (not run yet)
     .venv/bin/python bench/gpu_check.py --device cpu --quick --out /tmp/g.json   # the CPU-runnable parts (tests)
 
 0. Versions: torch, its CUDA, the driver, the device and its capability, whether torch has the one-call blockwise

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU readiness check (bench/gpu_check.py): the trainer's FP8 GEMMs and quantizer on the device against the CPU
 # reference, which GEMM path ran, FP8 / BF16 linear speed, quantize GB/s, one FP8 training step of the tiny model.
-# Needs only python + a CUDA torch + transformers (no vLLM / Ray / Prefect); ~2-4 min on one H100 / H200, at most 5.
+# Needs only python + a CUDA torch + transformers (no vLLM / Ray / Prefect); expected 2-4 min on one H100 / H200 (not
+# run on a GPU yet), killed at 5.
 # Writes runs/bench/gpu_check.json (or $1). Exit 1 if a check fails, 2 if no python here has a CUDA torch.
 # The python: $PYTHON, else the first of python3 / .venv/bin/python whose torch sees a CUDA device (the project's
 # .venv holds the CPU torch on CPU machines).
