@@ -31,6 +31,7 @@ blockwise GEMM, new in torch's functional API, is used only where torch has it; 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -110,7 +111,7 @@ def blockwise_gemms(device: torch.device, shape: tuple[int, int, int]) -> dict:
     wq = quantize(w, "block128")
     forms = {"fwd": (quantize(x, "group128"), wq), "dgrad": (quantize(dy, "group128"), wq.t()),
              "wgrad": (quantize_columns(dy, "group128"), quantize_columns(x, "group128"))}
-    res = {"available": hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")}
+    res = {"available": scaled_mm.blockwise_in_torch()}
     for name, (a, b) in forms.items():
         ref = dequantize(a) @ dequantize(b).t()
         da, db = a.to(device), b.to(device)
@@ -173,7 +174,7 @@ def tiny_train_step(device: torch.device, *, batch: int, seq: int, reps: int) ->
         finite = []
 
         def step(model=model, opt=opt, arm=arm, finite=finite):
-            ctx = torch.autocast(device.type, dtype=torch.bfloat16) if arm == "bf16_autocast" else _null()
+            ctx = torch.autocast(device.type, dtype=torch.bfloat16) if arm == "bf16_autocast" else contextlib.nullcontext()
             with ctx:
                 logits = model(tokens).logits[:, :-1].float()
             logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
@@ -191,19 +192,13 @@ def tiny_train_step(device: torch.device, *, batch: int, seq: int, reps: int) ->
     return res
 
 
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 def versions(device: torch.device) -> dict:
     """torch, its CUDA, the driver (nvidia-smi), the device, and whether torch has the one-call blockwise GEMM."""
     import shutil
     import subprocess
 
     res = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "device": str(device),
-           "blockwise_scaled_mm_in_torch": hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")}
+           "blockwise_scaled_mm_in_torch": scaled_mm.blockwise_in_torch()}
     if device.type == "cuda":
         res["device_name"] = torch.cuda.get_device_name(device)
         res["capability"] = list(torch.cuda.get_device_capability(device))

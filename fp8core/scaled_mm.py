@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 from fp8core.quant import GROUP, QuantizedTensor
 
@@ -100,6 +101,11 @@ def unsupported(e: BaseException) -> bool:
     return "out of memory" not in msg and any(h in msg for h in _UNSUPPORTED_HINTS)
 
 
+def blockwise_in_torch() -> bool:
+    """Whether this torch has the one-call blockwise GEMM (``torch.nn.functional.scaled_mm`` with ScalingType)."""
+    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+
+
 _BLOCKWISE_FORMS = {("group128", "block128"), ("group128", "group128")}
 
 
@@ -148,10 +154,8 @@ def blockwise_args(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Tensor
 def _blockwise(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
     """FP32 ``a @ b.T`` in one blockwise ``F.scaled_mm`` call, or None where this device's torch does not support
     it (then remembered: later calls go straight to the chunked path)."""
-    import torch.nn.functional as F
-
     dev = a.data.device.type
-    if dev in _BLOCKWISE_UNSUPPORTED or not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+    if dev in _BLOCKWISE_UNSUPPORTED or not blockwise_in_torch():
         return None
     mat_a, scale_a, mat_b, scale_b, n = blockwise_args(a, b)
     rec_b = F.ScalingType.BlockWise128x128 if b.granularity == "block128" else F.ScalingType.BlockWise1x128
@@ -170,10 +174,8 @@ def _blockwise(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor | None:
 def paths(device: torch.device | str) -> dict[str, str]:
     """Which path the GEMMs took on ``device`` in this process (bench/gpu_check.py records it): blockwise E4M3 as one
     call or chunked (and why), rowwise with FP32 output or scaled after the GEMM (and why)."""
-    import torch.nn.functional as F
-
     dev = torch.device(device).type
-    if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
+    if not blockwise_in_torch():
         blockwise = "chunked: this torch has no torch.nn.functional.scaled_mm"
     elif dev in _BLOCKWISE_UNSUPPORTED:
         blockwise = f"chunked (one call per 128-wide K chunk): {_BLOCKWISE_UNSUPPORTED[dev]}"

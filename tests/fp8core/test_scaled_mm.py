@@ -14,7 +14,7 @@ from fp8core import scaled_mm as smm
 from fp8core.linear import FP8Linear, FP8LinearConfig, fp8_mm
 from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize, quantize_columns
 
-HAS_BLOCKWISE = hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+HAS_BLOCKWISE = smm.blockwise_in_torch()
 needs_blockwise = pytest.mark.skipif(not HAS_BLOCKWISE, reason="this torch has no torch.nn.functional.scaled_mm")
 
 
