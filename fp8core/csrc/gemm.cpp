@@ -311,7 +311,6 @@ void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, V
   at::parallel_for(0, (s.m + kRows - 1) / kRows, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t rt = lo; rt < hi; ++rt) {
       const int64_t r0 = rt * kRows, r1 = std::min(s.m, r0 + kRows);
-      for (int64_t r = r0; r < r1; ++r) std::fill(out + r * s.kp, out + (r + 1) * s.kp, Value(0));
       for (int64_t kb = 0; kb < s.nkb; ++kb) {
         const int64_t len = block_len(s, kb);
         const uint8_t* src = a + kb * s.block * s1;
@@ -334,6 +333,8 @@ void pack_a(const uint8_t* a, int64_t s0, int64_t s1, int fmt, const Shape& s, V
             for (int64_t r = r0; r < r1; ++r) convert_run(tile[r - r0], j1 - j0, fmt, dst + r * s.kp + j0);
           }
         }
+        // the block's padding columns (the buffer is reused between calls: nothing else clears them)
+        for (int64_t r = r0; r < r1; ++r) std::fill(dst + r * s.kp + len, dst + r * s.kp + s.block_pad, Value(0));
       }
     }
   });
@@ -371,10 +372,6 @@ uint32_t pack_a_quantized(const T* x, const Fmt& f, bool pow2, const Shape& s, V
   return amax_all.load();
 }
 
-// A full tile whose kLanes rows lie next to each other in memory (s0 == 1: a transposed view of row-major codes,
-// i.e. the wgrad operand along tokens and the dgrad weight): each K column's kLanes codes are one contiguous load,
-// converted in vector registers and stored in packed order (for the pair layout two columns at once, their values
-// interleaved by one permute) -- no gather, no scalar scatter.
 // One K block of one tile: len columns of kLanes codes each, column j at src + j * s1, into dst (the block's first
 // packed column of the tile), padded with zeros to block_pad columns.
 void pack_lanes_block(const uint8_t* src, int64_t s1, int64_t len, int64_t block_pad, int fmt, Value* dst) {
@@ -414,6 +411,10 @@ void pack_lanes_block(const uint8_t* src, int64_t s1, int64_t len, int64_t block
   std::fill(dst + j * kLanes, dst + block_pad * kLanes, Value(0));  // the block's padding columns
 }
 
+// A full tile whose kLanes rows lie next to each other in memory (s0 == 1: a transposed view of row-major codes,
+// i.e. the wgrad operand along tokens and the dgrad weight): each K column's kLanes codes are one contiguous load,
+// converted in vector registers and stored in packed order (for the pair layout two columns at once, their values
+// interleaved by one permute) -- no gather, no scalar scatter.
 void pack_b_tile_lanes(const uint8_t* b, int64_t s1, int fmt, const Shape& s, int64_t tile, Value* out) {
   for (int64_t kb = 0; kb < s.nkb; ++kb)
     pack_lanes_block(b + tile * kLanes + kb * s.block * s1, s1, block_len(s, kb), s.block_pad, fmt,

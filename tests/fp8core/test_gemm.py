@@ -279,6 +279,35 @@ def test_quantizing_inside_the_op_rejects_non_finite_input_as_quantize_does():
         gemm.fp8_quant_gemm_packed(torch.randn(5, 255), "e4m3", packed)
 
 
+def test_stale_values_in_the_kept_activation_buffer_never_reach_a_padded_block():
+    """The op keeps its packed-activation buffer between calls and does not clear it: a call whose K blocks are
+    padded (odd K: rowwise, a partial group128 block; codes row-major and transposed, and quantized inside the op)
+    right after a call that filled the buffer with NaN (codes 0x7F) still gives the product of its own operands
+    (float64 reference): B's padding is zero, but a stale NaN times zero is NaN."""
+    assert gemm.available(), gemm.path()
+    gen = torch.Generator().manual_seed(12)
+    nan_codes = torch.full((64, 1024), 0x7F, dtype=torch.uint8)  # E4M3 NaN in every position of the buffer
+    wbig = quantize(torch.randn(48, 1024, generator=gen), "block128")
+
+    def fill_with_nan():
+        gemm.fp8_gemm_rows(nan_codes, "e4m3", torch.ones(64, 8), wbig.data, "e4m3", gemm.row_scales(wbig, 128), 128)
+
+    for gran, gb, k in (("rowwise", "rowwise", 301), ("group128", "block128", 200)):
+        x = torch.randn(64, k, generator=gen)
+        qb = quantize(torch.randn(40, k, generator=gen), gb)
+        block = gemm.block_for(gran, gb, k)
+        packed = gemm.pack_weight(qb.data, "e4m3", gemm.row_scales(qb, block), block)
+        qa = quantize(x, gran)
+        want = dequantize(qa).double() @ dequantize(qb).double().t()
+        for a_codes in (qa.data, qa.data.t().contiguous().t()):  # row-major, then a transposed view
+            fill_with_nan()
+            got = gemm.fp8_gemm_packed(a_codes, "e4m3", gemm.row_scales(qa, block), packed)
+            assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), (gran, k)
+        fill_with_nan()
+        got = gemm.fp8_quant_gemm_packed(x, "e4m3", packed)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), (gran, k)
+
+
 def test_mm_backend_cpu_is_the_op():
     gen = torch.Generator().manual_seed(4)
     qa, qb = quantize(torch.randn(9, 200, generator=gen), "group128"), quantize(torch.randn(30, 200), "block128")
