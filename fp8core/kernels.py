@@ -14,13 +14,14 @@ Choice at run time (logged once, at the first use, and reported by :func:`descri
 
 The build targets the CPU kind of :mod:`fp8core.cpu` (``-mavx2 -mfma``, plus ``-mavx512f -mavx512bw -mavx512vl
 -mavx512dq`` on AVX-512 kinds; no ``-march=native``), so a capped process (``FP8GRPO_CPU_CAP=avx2``) runs the AVX2
-build, and the build directory is keyed by kind + source hash + flags + torch version (and where the sources and
-torch live, so checkouts sharing the cache do not rebuild each other's): a cache shared between machines never loads
-code for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno -fopenmp`` and without ``-ffast-math``
-(which would change the rounding); OpenMP because ATen's ``parallel_for`` opens its parallel region in the
-extension's own code (without it every kernel ran on one thread: :func:`parallel_width` tells). Build directory:
-:func:`build_root`. The first build takes ~30 s on a 2-core machine; later loads, in any process, ~0.1 s. A builder killed mid-load (torch keeps a ``lock`` file while it
-loads, even with nothing to rebuild) does not make later processes wait forever: see :func:`_build_lock`.
+build, and the build directory is keyed by kind + source hash + flags + torch version (and where the sources and torch
+live, so checkouts sharing the cache do not rebuild each other's): a cache shared between machines never loads code
+for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno -fopenmp`` and without ``-ffast-math`` (which
+would change the rounding); OpenMP because ATen's ``parallel_for`` opens its parallel region in the extension's own
+code (without it every kernel ran on one thread: :func:`parallel_width` tells). Build directory: :func:`build_root`.
+The first build takes ~30 s on a 2-core machine; later loads, in any process, ~0.1 s. A builder killed mid-load (torch
+keeps a ``lock`` file while it loads, even with nothing to rebuild) does not make later processes wait forever: see
+:func:`_build_lock`.
 """
 from __future__ import annotations
 

@@ -245,11 +245,11 @@ def _quantize_whole(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> 
 
 # ------------------------------------------------------------------------------------------ off the CPU
 # On a GPU (any device but the CPU) quantize runs the reference's whole-tensor arithmetic: a few vectorized kernels
-# and no host synchronization (the CPU paths below are tuned for caches and read the amax back to check it). A
-# non-finite check that raises would have to read the device, so there a group with a non-finite value gets a NaN
-# scale and NaN codes (whatever the GEMM makes of them is NaN), and a flag on the device records it with device
-# operations only; :func:`nonfinite_seen` reads and clears it where the caller synchronizes anyway (the trainer: its
-# finite-loss check) and the caller raises NON_FINITE, as quantize raises at once on a CPU.
+# and no host synchronization (the CPU paths are tuned for caches and read the amax back to check it). A non-finite
+# check that raises would have to read the device, so there a group with a non-finite value gets a non-finite scale
+# and the bad value a NaN code (whatever the GEMM makes of them is NaN), and a flag on the device records it with
+# device operations only; :func:`nonfinite_seen` reads and clears it where the caller synchronizes anyway (the
+# trainer: its finite-loss check) and the caller raises NON_FINITE, as quantize raises at once on a CPU.
 _NONFINITE: dict[torch.device, torch.Tensor] = {}
 
 
