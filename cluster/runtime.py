@@ -201,18 +201,16 @@ def start_policy_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag:
                          scheduling=None, hooks: TestHooks | None = None) -> tuple[tuple[str, ...], tuple]:
     """``cluster.policy_workers`` PolicyWorker actors (``fp8grpo-policy-{tag}`` for rank 0, ``-{tag}-{r}`` for the
     others), constructed concurrently: with more than one they join one process group (trainer/dp.py) whose
-    rendezvous is a free port on rank 0's node (a zero-CPU task placed where rank 0 will run finds it).
+    rendezvous is rank 0's store, its address passed on through a zero-CPU actor (trainer.dp.Rendezvous).
     ``scheduling(i)``: the Ray scheduling strategy of placement bundle ``i`` (None: anywhere). Returns (names,
     handles), rank 0 first; construction errors surface when the caller first waits on them."""
     import ray
 
-    from trainer.dp import DPGroup, free_endpoint
+    from trainer.dp import DPGroup, Rendezvous
 
     pw, m = cfg.ray.policy_worker, cfg.cluster.policy_workers
     place = (lambda i: {"scheduling_strategy": scheduling(i)}) if scheduling is not None else (lambda i: {})
-    init = None
-    if m > 1:
-        init = get(ray.remote(free_endpoint).options(num_cpus=0, **place(0)).remote())
+    rendezvous = ray.remote(Rendezvous).options(num_cpus=0).remote() if m > 1 else None
     names = tuple(f"fp8grpo-policy-{tag}" if r == 0 else f"fp8grpo-policy-{tag}-{r}" for r in range(m))
     pins = cpu_pins(cfg)
     timeout = collective_timeout_s(cfg.cluster.collective_timeout_s, pw.num_gpus)  # 60 s CPU / 600 s GPU when null
@@ -221,7 +219,7 @@ def start_policy_workers(cfg: Config, model_dir: str | Path, run_dir: Path, tag:
         runtime_env={"env_vars": {**(env or {}), **pin_env(pins, r)}},
         max_concurrency=1, **place(r)).remote(
             str(model_dir), cfg, run_dir=str(run_dir),
-            dp=DPGroup(r, m, init, timeout) if m > 1 else None, hooks=hooks) for r in range(m))
+            dp=DPGroup(r, m, rendezvous, timeout) if m > 1 else None, hooks=hooks) for r in range(m))
     return names, handles
 
 

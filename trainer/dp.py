@@ -43,14 +43,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["DPGroup", "free_endpoint", "init_group", "checkpoint_layers", "shard_model", "fsdp_modules", "per_layer_no_grad", "equal_count", "gathered_units", "all_sum", "all_min", "gather_objects", "full_tensor", "longest_first_batches",
+__all__ = ["DPGroup", "Rendezvous", "init_group", "checkpoint_layers", "shard_model", "fsdp_modules", "per_layer_no_grad", "equal_count", "gathered_units", "all_sum", "all_min", "gather_objects", "full_tensor", "longest_first_batches",
            "share_batches", "clip_grad_norm"]
 
 
@@ -60,7 +59,7 @@ class DPGroup:
 
     rank: int = 0
     world: int = 1
-    init_method: str | None = None  # tcp://host:port of rank 0's rendezvous
+    rendezvous: object = None  # a Ray actor handle of :class:`Rendezvous`: how rank 0 tells the others its store
     timeout_s: float = 60.0
 
     @property
@@ -72,15 +71,46 @@ class DPGroup:
         return torch.tensor_split(rows, self.world)[self.rank] if self.active else rows
 
 
-def free_endpoint() -> str:
-    """``tcp://<this node's address>:<a free port>``: the rendezvous of a group whose rank 0 runs on this node."""
-    import ray
+class Rendezvous:
+    """Where a group's ranks learn the address of rank 0's ``TCPStore`` (run as a zero-CPU Ray actor).
 
-    host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return f"tcp://{host}:{port}"
+    Rank 0 binds its store to a port the OS picks and posts ``host:port`` here; the others wait for it. Choosing a
+    free port first and binding it later, in another process, lost the port to whatever took it in between (a CI
+    run's rank 0 failed with EADDRINUSE)."""
+
+    def __init__(self) -> None:
+        self.address: str | None = None
+
+    def post(self, address: str) -> None:
+        self.address = address
+
+    def address_of_rank0(self) -> str | None:
+        return self.address
+
+
+def _store(group: DPGroup):
+    """Rank 0: a new TCPStore on a free port, its address posted; the others: a client of rank 0's store, once
+    posted (waiting up to the group's timeout)."""
+    import time
+
+    import ray
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=group.timeout_s)
+    if group.rank == 0:
+        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        store = dist.TCPStore(host, 0, group.world, True, timeout=timeout, wait_for_workers=False)
+        ray.get(group.rendezvous.post.remote(f"{host}:{store.port}"))
+        return store
+    deadline, pause = time.monotonic() + group.timeout_s, 0.01
+    while (address := ray.get(group.rendezvous.address_of_rank0.remote())) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"data-parallel rank {group.rank} of {group.world}: rank 0 did not open the group's "
+                               f"rendezvous within {group.timeout_s:g} s (cluster.collective_timeout_s)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.5)
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), group.world, False, timeout=timeout)
 
 
 def init_group(group: DPGroup, device: torch.device) -> None:
@@ -89,9 +119,9 @@ def init_group(group: DPGroup, device: torch.device) -> None:
 
     if not group.active or dist.is_initialized():
         return
-    if not group.init_method:
-        raise ValueError(f"data-parallel rank {group.rank} of {group.world}: no rendezvous address (init_method)")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=group.init_method,
+    if group.rendezvous is None:
+        raise ValueError(f"data-parallel rank {group.rank} of {group.world}: no rendezvous (trainer.dp.Rendezvous)")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=_store(group),
                             rank=group.rank, world_size=group.world,
                             timeout=datetime.timedelta(seconds=group.timeout_s))
 

@@ -332,3 +332,25 @@ def test_ranks_gather_one_layer_at_a_time(tmp_path, ray_local):
             assert after == 0 and max(probe["forward"]) <= 3 and max(probe["backward"]) <= 3, (rank, after)
     finally:
         _kill(one_h + two_h + ac_h)
+
+
+def test_rendezvous_rank0_binds_a_port_the_os_gives_and_the_others_learn_it(ray_local):
+    """Rank 0's store is bound before its address exists anywhere else (no port chosen first and bound later by
+    another process, which a CI run lost to EADDRINUSE); a rank whose rank 0 never posts fails within the group's
+    timeout, naming itself and the key."""
+    import ray
+
+    from trainer.dp import DPGroup, Rendezvous, _store
+
+    rv = ray.remote(Rendezvous).options(num_cpus=0).remote()
+    assert ray.get(rv.address_of_rank0.remote()) is None
+    rank0 = _store(DPGroup(0, 2, rv, 10.0))
+    assert ray.get(rv.address_of_rank0.remote()).endswith(f":{rank0.port}")
+    rank1 = _store(DPGroup(1, 2, rv, 10.0))
+    rank1.set("from-rank-1", "seen")
+    assert rank0.get("from-rank-1") == b"seen"
+
+    lonely = ray.remote(Rendezvous).options(num_cpus=0).remote()
+    with pytest.raises(TimeoutError, match=r"rank 1 of 2: rank 0 did not open .* within 0.3 s "
+                                           r"\(cluster.collective_timeout_s\)"):
+        _store(DPGroup(1, 2, lonely, 0.3))
