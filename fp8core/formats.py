@@ -17,6 +17,12 @@ NON_FINITE = ("quantize: input contains non-finite values (inf or nan, or beyond
               "FP8 scales cannot be computed from them")
 
 
+class NonFiniteInput(ValueError):
+    """What the quantizer raises on non-finite input (message :data:`NON_FINITE`); a ValueError, so callers that
+    catch those see it as before, and a caller that must not raise mid-computation (the engine's op,
+    rollout/fp8_op.py) can tell it from every other error."""
+
+
 def _round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= scale (scale > 0, finite), exactly: frexp gives scale = m * 2**e with m in [0.5, 1)."""
     mantissa, exponent = torch.frexp(scale)

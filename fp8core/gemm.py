@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from fp8core import kernels
-from fp8core.quant import GROUP, NON_FINITE, QuantizedTensor
+from fp8core.quant import GROUP, NON_FINITE, NonFiniteInput, QuantizedTensor
 
 __all__ = ["PackedWeight", "available", "block_for", "describe", "fp8_gemm", "fp8_gemm_packed", "fp8_gemm_rows",
            "fp8_quant_gemm_packed", "pack_weight", "path", "quantizes_into_pack", "row_scales"]
@@ -170,7 +170,7 @@ def fp8_quant_gemm_packed(x: torch.Tensor, fmt: str, b: PackedWeight, *, pow2: b
     y, _, amax = torch.ops.fp8core.fp8_quant_gemm_packed(x2.contiguous(), _FMT_INDEX[fmt], pow2, b.values, b.scales,
                                                          b.n, b.block)
     if not math.isfinite(float(amax)):
-        raise ValueError(NON_FINITE)
+        raise NonFiniteInput(NON_FINITE)
     return y
 
 

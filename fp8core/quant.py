@@ -62,6 +62,7 @@ from fp8core.formats import (
     GROUP,
     MIN_SCALE,
     NON_FINITE,
+    NonFiniteInput,
     _round_up_pow2,
 )
 from fp8core.quant_chunked import _columns, _fp8_to_fp32, _quantize_2d, _SingleThread
@@ -74,10 +75,12 @@ __all__ = [
     "FP8_MAX",
     "GRANULARITIES",
     "NON_FINITE",
+    "NonFiniteInput",
     "QuantizedTensor",
     "dequantize",
     "expand_scale",
     "nonfinite_seen",
+    "record_nonfinite",
     "quantize",
     "quantize_dequantize",
     "quantize_columns",
@@ -194,7 +197,7 @@ def quantize_reference(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", 
     _check_input(x, granularity, fmt)
     q, amax = _quantize_whole(x, granularity, fmt, pow2)
     if not bool(torch.isfinite(amax).all()):
-        raise ValueError(NON_FINITE)
+        raise NonFiniteInput(NON_FINITE)
     return q
 
 
@@ -259,11 +262,18 @@ def quantize_on_device(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", 
     synchronization; non-finite input sets the device's flag (:func:`nonfinite_seen`) instead of raising."""
     _check_input(x, granularity, fmt)
     q, amax = _quantize_whole(x, granularity, fmt, pow2)
-    flag = _NONFINITE.get(amax.device)
-    if flag is None:
-        flag = _NONFINITE[amax.device] = torch.zeros((), dtype=torch.bool, device=amax.device)
-    flag.logical_or_(torch.isfinite(amax).all().logical_not())
+    record_nonfinite(amax.device, torch.isfinite(amax).all().logical_not())
     return q
+
+
+def record_nonfinite(device: torch.device | str, seen: torch.Tensor | bool = True) -> None:
+    """Set ``device``'s non-finite flag where ``seen`` (a bool tensor on the device: no synchronization)."""
+    device = torch.device(device)
+    flag = _NONFINITE.get(device)
+    if flag is None:
+        with torch.inference_mode(False):  # a normal tensor, so that it can be cleared outside inference mode
+            flag = _NONFINITE[device] = torch.zeros((), dtype=torch.bool, device=device)
+    flag.logical_or_(torch.as_tensor(seen, device=device))
 
 
 def nonfinite_seen(device: torch.device | str) -> bool:
@@ -417,5 +427,5 @@ def _fused(x2: torch.Tensor, tile: tuple[int, int], *, fmt: str, pow2: bool, wan
         return None
     dq, data, amax, scale = res
     if amax.numel() and not math.isfinite(float(amax.max())):  # amax >= 0; nan/inf patterns compare above finite
-        raise ValueError(NON_FINITE)
+        raise NonFiniteInput(NON_FINITE)
     return dq, data, scale

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from fp8core.formats import FP8_DTYPES, FP8_MAX, GROUP, MIN_SCALE, NON_FINITE, _round_up_pow2
+from fp8core.formats import FP8_DTYPES, FP8_MAX, GROUP, MIN_SCALE, NON_FINITE, NonFiniteInput, _round_up_pow2
 
 # The same arithmetic as quantize_reference (FP32 copy, max(amax, -amin) per group, one FP32 division by the scale,
 # clamp, torch's cast), done on row chunks of ~_CHUNK_BYTES in two reused buffers that stay in cache: the whole-tensor
@@ -180,7 +180,7 @@ def _quantize_2d(x2: torch.Tensor, granularity: str, fmt: str, pow2: bool, *, wa
                 v.mul_(s)
                 dq[r0: r0 + n].copy_(b[:n, :k])
     if not math.isfinite(float(amax_all.max())):  # amax >= 0; nan propagates through max
-        raise ValueError(NON_FINITE)
+        raise NonFiniteInput(NON_FINITE)
     return data, scale_all, dq
 
 
@@ -221,5 +221,5 @@ def _columns(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> torch.T
             v.mul_(s)
             dq[r0: r0 + n].copy_(b[:n])
     if not math.isfinite(float(amax_all.max())):  # amax >= 0; nan propagates through max
-        raise ValueError(NON_FINITE)
+        raise NonFiniteInput(NON_FINITE)
     return dq

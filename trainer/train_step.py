@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp8core.quant import NON_FINITE, nonfinite_seen
+from fp8core.quant import NON_FINITE, NonFiniteInput, nonfinite_seen
 from trainer.batch import Batch, _pad_cols
 from trainer.dp import all_min, clip_grad_norm, equal_count, full_tensor, gather_objects, token_chunks
 from trainer.dp import all_sum as dp_sum
@@ -271,7 +271,7 @@ def raise_if_fp8_saw_nonfinite(device: torch.device) -> None:
     CPU quantize raises at once; off the CPU it cannot without reading the device, so it flags the device
     (fp8core.quant.nonfinite_seen) and the step checks the flag where it reads the loss anyway. No flag, no read."""
     if nonfinite_seen(device):
-        raise ValueError(NON_FINITE)
+        raise NonFiniteInput(NON_FINITE)
 
 
 def optimizer_step(worker, st: StepState, u: int, finite: bool) -> None:
