@@ -67,6 +67,9 @@ class VllmCfg:
     gpu_memory_utilization: float = 0.6
     kv_cache_memory_bytes: int | None = 64 * 2**20  # CPU: explicit KV budget (else vLLM reserves 92% of RAM)
     enforce_eager: bool = True
+    # with enforce_eager false: inductor = vLLM's compilation; eager = the model traced into one graph (TorchDynamo)
+    # run without Inductor (on CPU a trace of seconds instead of minutes of kernel compilation)
+    compile_backend: Literal["inductor", "eager"] = "inductor"
     use_deep_gemm: bool = False
     max_num_seqs: int = 256  # sequences per engine step
     # tokens per engine step; chunked prefill is off (rollout/engine.py), so it must be >= max_model_len

@@ -207,6 +207,14 @@ class RolloutWorker:
         )
         if vc.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = vc.kv_cache_memory_bytes
+        if not vc.enforce_eager:
+            # compiled: vLLM would swap its own kernels (RMSNorm, SiLU-and-mul, rotary) for torch-native versions
+            # that the compiler can fuse, whose BF16 roundings differ; keeping them makes a compiled engine
+            # compute what the eager engine computes, bit for bit (the FP8 layers are one op either way)
+            kwargs["compilation_config"] = cc = {"custom_ops": ["all"]}
+            if vc.compile_backend == "eager":
+                # on CPU vLLM sets its backend itself in its default mode (inductor): a single trace keeps ours
+                cc.update(backend="eager", **({} if self.on_gpu else {"mode": 2}))  # 2: DYNAMO_TRACE_ONCE
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = vc.gpu_memory_utilization
         if self.kv_mode == "fp8-native":
@@ -234,7 +242,32 @@ class RolloutWorker:
         with _ProcessStateGuard():
             from vllm import LLM
 
-            return LLM(**self._engine_kwargs())
+            llm = LLM(**self._engine_kwargs())
+        # a compiled model's warm-up ran the FP8 layers on uninitialized buffers: forget what they saw
+        self._fp8_saw_nonfinite()
+        return llm
+
+    def _clear_kv_cache(self) -> None:
+        """Zero every attention layer's KV cache and forget the cached prefixes."""
+        from vllm.model_executor.layers.attention.attention import Attention
+
+        def clear(model):
+            for m in model.modules():
+                if isinstance(m, Attention):
+                    for t in (m.kv_cache if isinstance(m.kv_cache, (list, tuple)) else [m.kv_cache]):
+                        t.zero_()
+
+        self.llm.apply_model(clear)
+        self.llm.reset_prefix_cache()
+
+    def _fp8_saw_nonfinite(self) -> bool:
+        """Whether the engine's FP8 layers met non-finite activations since the last call (they give NaN and set the
+        device's flag instead of raising: rollout/vllm_fp8.py); clears the flag. Reads the device."""
+        if self.fp8 is None:
+            return False
+        from fp8core.quant import nonfinite_seen
+
+        return nonfinite_seen(torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else "cpu")
 
     def shutdown(self) -> None:
         """Stop the engine and free its memory (in-process: drops the engine core and the distributed group)."""
@@ -309,6 +342,10 @@ class RolloutWorker:
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         wall = time.perf_counter() - t0
+        if self._fp8_saw_nonfinite():
+            self._clear_kv_cache()  # NaN keys / values left in freed blocks would reach later sequences' attention
+            raise ValueError("rollout: the engine's FP8 layers met non-finite activations (inf or nan) while "
+                             "generating; the weights it holds (its last refit) or the prompts made them")
         if self.hooks is not None:  # TEST-ONLY: die mid-rollout (generated, not yet returned)
             self.hooks.kill_point()
         results, n_gen = [], 0

@@ -79,15 +79,18 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from configs.schema import FP8_RECIPE_KEYS, fp8_spec_from_keys, fp8_spec_keys
 from fp8core.linear import (
+    ACT_GRANULARITY,
     fp8_linear_forward,
     fp8_linear_forward_cpu,
     fp8_linear_forward_emulated,
+    fp8_mm,
     pack_weight,
     resolve_backend,
 )
 from fp8core.moe import experts_forward
-from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
+from fp8core.quant import GROUP, NonFiniteInput, QuantizedTensor, dequantize, quantize, record_nonfinite
 from fp8core.spec import FP8Spec
+from rollout.fp8_op import engine_key, register_layer
 from rollout.vllm_bf16 import (
     Bf16EmulatedMoEMethod,
     Fp32GateLinearMethod,
@@ -133,6 +136,7 @@ class Fp8CoreConfig(QuantizationConfig):
         self.pow2_weight = spec.pow2_weight
         self.pow2_activation = spec.pow2_activation
         self.weight_block_size = [GROUP, GROUP] if spec.recipe == "blockwise" else None
+        self.engine = engine_key()  # this engine's part of its layers' op keys (rollout/fp8_op.py)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Fp8CoreConfig:
@@ -182,7 +186,7 @@ class Fp8CoreConfig(QuantizationConfig):
         idx = self.layer_index(prefix)
         if idx is None or idx not in self.fp8_layers:
             return UnquantizedLinearMethod()
-        return Fp8CoreLinearMethod(self)
+        return Fp8CoreLinearMethod(self, prefix)
 
 
 def _scale_rows(granularity: str, widths: list[int], i: int) -> slice | int:
@@ -226,8 +230,9 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
     """Quantize at load/refit with fp8core (per logical partition, the recipe's weight granularity), or take
     pre-quantized FP8 codes + scales as they are; run fp8core's FP8 forward."""
 
-    def __init__(self, config: Fp8CoreConfig):
+    def __init__(self, config: Fp8CoreConfig, prefix: str):
         self.config = config
+        self.key = f"{config.engine}/{prefix}"  # the layer's name for the engine's op (rollout/fp8_op.py)
         from fp8core import kernels
 
         kernels.load()  # the fused quantize kernel (built once per CPU kind, logged) before the first forward
@@ -246,6 +251,7 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
         scale.weight_loader = _scale_loader(layer, gran)
         layer.register_parameter("weight_scale_inv", scale)
         layer.fp8core_scales_loaded = set()
+        register_layer(self.key, layer, self.forward)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         w = layer.weight.data
@@ -299,20 +305,38 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
         return out
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.fp8core_backend == "cpu":  # every partition in one GEMM (same columns, bit for bit)
-            return fp8_linear_forward_cpu(x, layer.fp8core_packed, bias, recipe=self.config.recipe,
-                                          pow2_activation=self.config.pow2_activation)
+        """One call of the engine's op (rollout/fp8_op.py), which runs :meth:`forward`: a traced (compiled) model
+        records it as one node and reads the layer's current weights whenever it runs."""
+        return torch.ops.fp8core_engine.linear(x, bias, self.key)
+
+    def forward(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's FP8 output: the activation quantized once for all partitions (q/k/v, gate/up), then the
+        backend's GEMMs -- one over the partitions side by side on the CPU op and the emulation (each column is the
+        same dot product), one per partition on scaled_mm (the trainer's GEMM shapes, so the same kernels).
+
+        Non-finite activations do not raise here, on any device: the output is NaN and the device's flag is set
+        (fp8core.quant.record_nonfinite), which the engine checks after each generation and at start-up clears
+        (vLLM's warm-up of a compiled model runs on uninitialized buffers). Off the CPU the quantizer never reads
+        the device, so the flag is all there is."""
+        try:
+            return self._forward(layer, x, bias)
+        except NonFiniteInput:
+            record_nonfinite(x.device)
+            return x.new_full((*x.shape[:-1], layer.output_size_per_partition), float("nan"))
+
+    def _forward(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        recipe, pow2_act = self.config.recipe, self.config.pow2_activation
+        if layer.fp8core_backend == "cpu":
+            return fp8_linear_forward_cpu(x, layer.fp8core_packed, bias, recipe=recipe, pow2_activation=pow2_act)
         if layer.fp8core_backend == "emulated":
-            return fp8_linear_forward_emulated(x, layer.fp8core_weight_dq, bias, recipe=self.config.recipe,
-                                               pow2_activation=self.config.pow2_activation)
-        ys, row = [], 0
-        for wq in self.partitions(layer):
-            n = wq.data.shape[0]
-            b = None if bias is None else bias[row:row + n]
-            ys.append(fp8_linear_forward(x, wq, b, recipe=self.config.recipe,
-                                         pow2_activation=self.config.pow2_activation, backend=layer.fp8core_backend))
-            row += n
-        return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+            return fp8_linear_forward_emulated(x, layer.fp8core_weight_dq, bias, recipe=recipe,
+                                               pow2_activation=pow2_act)
+        k = x.shape[-1]
+        x_q = quantize(x.reshape(-1, k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_act)
+        y = torch.cat([fp8_mm(x_q, wq, backend=layer.fp8core_backend) for wq in self.partitions(layer)], dim=-1)
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------------- MoE experts

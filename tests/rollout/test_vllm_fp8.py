@@ -54,15 +54,16 @@ def model_dir():
     return quick_sft_model(MODELS)
 
 
-def _recipe(run_dir):
-    """End-to-end FP8 with layer 0 in BF16 and pow2 weight scales: the engine and the trainer of these tests."""
+def _recipe(run_dir, *extra):
+    """End-to-end FP8 with layer 0 in BF16 and pow2 weight scales: the engine and the trainer of these tests
+    (``extra``: more overrides)."""
     from configs.schema import load_config
 
     f8 = "policy.megatron_cfg.fp8_cfg"
     return load_config(ROOT / "configs" / "tiny_fp8_e2e.yaml", [
         f"{f8}.num_first_layers_in_bf16={FIRST_BF16}", f"{f8}.pow2_weight_scaling_factors={str(POW2_W).lower()}",
         "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", "policy.generation.vllm_cfg.max_model_len=256",
-        f"run_dir={run_dir}"])
+        f"run_dir={run_dir}", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +171,64 @@ def test_fp8_engine_matches_fp8_trainer_after_refit(worker, model_dir, checkpoin
         assert err_old > err_new + 0.1
     finally:
         worker.refit(checkpoint)
+
+
+# ------------------------------------------------------------------------------------- the compiled engine
+@pytest.fixture(scope="module")
+def compiled(model_dir, tmp_path_factory):
+    """The same recipe's engine with ``enforce_eager: false``: vLLM traces the model into one graph (TorchDynamo;
+    ``compile_backend: eager`` runs the graph without Inductor), the FP8 layers one op each (rollout/fp8_op.py)."""
+    from torch._dynamo.utils import counters
+
+    from rollout.engine import RolloutWorker
+
+    cfg = _recipe(tmp_path_factory.mktemp("fp8-compiled"), "policy.generation.vllm_cfg.enforce_eager=false",
+                  "policy.generation.vllm_cfg.compile_backend=eager")
+    graphs = counters["stats"]["unique_graphs"]
+    w = RolloutWorker(model_dir, cfg, run_dir=cfg.run_dir)
+    assert counters["stats"]["unique_graphs"] > graphs  # traced at start-up (vLLM's warm-up), in this process
+    yield w
+    w.shutdown()
+
+
+def _same(a: list[dict], b: list[dict]) -> bool:
+    return [[(s["token_ids"], s["logprobs"]) for s in p["samples"]] for p in a] == \
+        [[(s["token_ids"], s["logprobs"]) for s in p["samples"]] for p in b]
+
+
+def test_compiled_engine_gives_the_eager_engines_bits_before_and_after_a_refit(worker, compiled, model_dir,
+                                                                               checkpoint, prompts, tmp_path):
+    """Traced once at start-up, the compiled engine samples what the eager one samples, token ids and logprobs bit
+    for bit; after a refit of both it still does (the op reads the layer's refitted weights: the trace holds no
+    weight), its samples changed, and it tracks the new weights' FP8 trainer as closely as the eager engine."""
+    before = compiled.generate(prompts, n=4, max_tokens=24, seed=1)
+    assert _same(before, worker.generate(prompts, n=4, max_tokens=24, seed=1))
+    gen = torch.Generator().manual_seed(2)
+    new = {k: v.float() + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen) if v.dim() > 1 else v.float()
+           for k, v in checkpoint.items()}
+    try:
+        worker.refit(new)
+        compiled.refit(new)
+        after = compiled.generate(prompts, n=4, max_tokens=24, seed=1)
+        assert _same(after, worker.generate(prompts, n=4, max_tokens=24, seed=1))
+        assert not _same(after, before)
+        err = _error(_fp8_trainer(model_dir, tmp_path / "new", new), after)
+        print(f"compiled engine after refit vs the new weights' FP8 trainer: {err:.4f}")
+        assert err < 1.05  # the eager engine's bound (test_fp8_engine_matches_fp8_trainer_after_refit)
+    finally:
+        worker.refit(checkpoint)
+        compiled.refit(checkpoint)
+
+
+def test_nonfinite_activations_fail_the_generation_and_the_engine_survives(compiled, checkpoint, prompts):
+    """Weights that overflow the activations: the FP8 layers give NaN and flag it instead of raising inside the
+    compiled graph; the generation then fails with one line, and a good refit makes the engine sample again."""
+    huge = {k: (v.float() * 3e38 if k == "model.layers.0.mlp.down_proj.weight" else v.float())  # layer 0: BF16
+            for k, v in checkpoint.items()}
+    try:
+        compiled.refit(huge)
+        with pytest.raises(ValueError, match="FP8 layers met non-finite activations"):
+            compiled.generate(prompts[:2], n=1, max_tokens=4, seed=1)
+    finally:
+        compiled.refit(checkpoint)
+    assert all(p["samples"][0]["token_ids"] for p in compiled.generate(prompts[:2], n=1, max_tokens=4, seed=1))

@@ -15,7 +15,7 @@ def _layer(recipe, widths, k, *, pow2_w, pow2_a, backend="auto"):
     cfg = Fp8CoreConfig.from_config(quantization_config_dict(
         num_hidden_layers=2, fp8_recipe=recipe, pow2_weight_scaling_factors=pow2_w,
         pow2_activation_scaling_factors=pow2_a, backend=backend))
-    method = Fp8CoreLinearMethod(cfg)
+    method = Fp8CoreLinearMethod(cfg, "model.layers.1.self_attn.qkv_proj")
     layer = torch.nn.Module()
     method.create_weights(layer, k, list(widths), k, sum(widths), torch.bfloat16, weight_loader=None)
     return method, layer
@@ -148,3 +148,41 @@ def test_prequantized_load_refuses_partial_scales_and_non_fp8_values(single_rank
         method.process_weights_after_loading(layer)
     with pytest.raises(ValueError, match="shape \\(2, 1\\)"):
         layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, torch.ones(2, 1), 0)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_scaled_mm_engine_layer_quantizes_its_input_once_and_equals_the_trainer(recipe, single_rank, monkeypatch):
+    """The GPU path (``scaled_mm``, forced on CPU tensors): a fused layer quantizes its input once for all its
+    partitions, runs one GEMM per partition (the trainer's shapes, so the same kernels) and returns the trainer's
+    separate FP8Linear outputs bit for bit; on the meta device its whole forward runs, so it reads nothing back to
+    the host (which a CUDA graph would not allow)."""
+    import rollout.vllm_fp8 as vf
+    from fp8core.linear import ACT_GRANULARITY
+
+    gen = torch.Generator().manual_seed(4)
+    widths, k = (256, 128, 128), 256
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for n in widths]
+    x = torch.randn(2, 3, k, generator=gen)
+    method, layer = _layer(recipe, widths, k, pow2_w=False, pow2_a=False, backend="scaled_mm")
+    layer.weight.data.copy_(torch.cat(weights))
+    method.process_weights_after_loading(layer)
+    assert layer.fp8core_backend == "scaled_mm" and layer.fp8core_packed is None and layer.fp8core_weight_dq is None
+    seen = []
+    real = vf.quantize
+    monkeypatch.setattr(vf, "quantize", lambda v, gran, **kw: seen.append(gran) or real(v, gran, **kw))
+    engine = method.apply(layer, x)
+    assert seen == [ACT_GRANULARITY[recipe]]
+    cfg = FP8LinearConfig(recipe=recipe, backend="scaled_mm")
+    trainers = [FP8Linear(k, w.shape[0], bias=False, config=cfg) for w in weights]
+    with torch.no_grad():
+        for lin, w in zip(trainers, weights, strict=True):
+            lin.weight.copy_(w)
+        expected = torch.cat([lin(x) for lin in trainers], dim=-1)
+    assert engine.shape == (2, 3, sum(widths)) and torch.equal(engine, expected)
+
+    meta_method, meta_layer = _layer(recipe, widths, k, pow2_w=False, pow2_a=False, backend="scaled_mm")
+    meta_layer.weight = torch.nn.Parameter(torch.empty(sum(widths), k, device="meta"), requires_grad=False)
+    meta_layer.weight_scale_inv = torch.nn.Parameter(meta_layer.weight_scale_inv.to("meta"), requires_grad=False)
+    meta_method.process_weights_after_loading(meta_layer)
+    out = meta_method.forward(meta_layer, torch.empty(2, 3, k, device="meta", dtype=torch.bfloat16), None)
+    assert out.device.type == "meta" and out.shape == (2, 3, sum(widths)) and out.dtype == torch.bfloat16
