@@ -442,6 +442,14 @@ class RolloutWorker:
         self._kv_scales = scales
 
     # ------------------------------------------------------------------ stats
+    def fp8_memory(self) -> dict | None:
+        """What the engine's FP8 layers hold (rollout.vllm_fp8.fp8_layer_memory), None without FP8 layers."""
+        if self.fp8 is None:
+            return None
+        from rollout.vllm_fp8 import fp8_layer_memory
+
+        return self.llm.apply_model(fp8_layer_memory)[0]
+
     def stats(self) -> dict:
         """KV capacity (tokens), KV mode, last generate's throughput, last refit time, engine start time, and the
         CPU this worker runs on (``cpu``: fp8core.cpu.CpuCaps fields, after the cap)."""

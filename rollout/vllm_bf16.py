@@ -202,11 +202,13 @@ class Bf16EmulatedMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         loaded, layer.fp8core_weights_loaded = layer.fp8core_weights_loaded, set()
-        if not loaded and hasattr(layer, "fp8core_hp"):
+        if not loaded and getattr(layer, "fp8core_rounded", False):
             return
-        inter = layer.fp8core_inter
-        w13, w2 = round_bf16(layer.w13_weight.data), round_bf16(layer.w2_weight.data)
-        layer.fp8core_hp = [{"gate": w13[e, :inter], "up": w13[e, inter:], "down": w2[e]} for e in range(len(w2))]
+        # the rounded weights replace the staging as the layer's parameters (one FP32 copy, not two; vLLM's reload
+        # copies a refit's into these very tensors)
+        layer.w13_weight = Parameter(round_bf16(layer.w13_weight.data), requires_grad=False)
+        layer.w2_weight = Parameter(round_bf16(layer.w2_weight.data), requires_grad=False)
+        layer.fp8core_rounded = True
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
@@ -214,9 +216,12 @@ class Bf16EmulatedMoEMethod(FusedMoEMethodBase):
             self.last_topk_ids = topk_ids.detach().to(torch.int16).cpu().clone()
         xf = x.to(torch.float32) if x.dtype != torch.float32 else round_bf16(x)
 
+        inter, w13, w2 = layer.fp8core_inter, layer.w13_weight, layer.w2_weight
+
         def linear(v: torch.Tensor, e: int, part: str) -> torch.Tensor:
-            y = F.linear(v.to(torch.float32), layer.fp8core_hp[e][part])
+            w = w2[e] if part == "down" else w13[e, :inter] if part == "gate" else w13[e, inter:]
+            y = F.linear(v.to(torch.float32), w)
             return y.to(x.dtype) if x.dtype != torch.float32 else round_bf16(y)
 
         return experts_forward(xf.to(x.dtype) if x.dtype != torch.float32 else xf, topk_ids, topk_weights,
-                               num_experts=len(layer.fp8core_hp), linear=linear, act=F.silu)
+                               num_experts=w2.shape[0], linear=linear, act=F.silu)

@@ -54,11 +54,13 @@ Mixture-of-Experts (Qwen3-MoE; fp8core/moe.py has the numerics): the routed expe
 the FP8 decoder layers get :class:`Fp8CoreMoEMethod`, a pure-torch ``FusedMoEMethodBase``: FP32 staging
 ``w13_weight [E, 2I, H]`` / ``w2_weight [E, H, I]`` (checkpoint names ``experts.<e>.{gate,up,down}_proj.weight``,
 plus ``weight_scale_inv`` for a pre-quantized refit), each expert's gate, up and down quantized on its own with the
-recipe's weight granularity (as the trainer's :class:`fp8core.moe.FP8Experts`), and ``apply(x, topk_weights,
-topk_ids)`` = :func:`fp8core.moe.experts_forward` on ``fp8_linear_forward_emulated`` -- the trainer's loop and GEMMs.
+recipe's weight granularity (as the trainer's :class:`fp8core.moe.FP8Experts`); the codes and scales then replace the
+staging as the layer's parameters (the FP32 staging exists only while a layer loads or refits), and
+``apply(x, topk_weights, topk_ids)`` = :func:`fp8core.moe.experts_forward` on the layer's backend (the CPU op, the
+emulation or scaled_mm) -- the trainer's loop and GEMMs.
 The router (``mlp.gate``, a vLLM linear) is never quantized: :class:`Fp32GateLinearMethod` keeps its weight in FP32
 and returns FP32 logits, which vLLM's CPU router turns into top-k exactly as :func:`fp8core.moe.route` does. The
-experts of BF16-kept layers use vLLM's own unquantized MoE. Optionally (``record_routing``) the method keeps the
+experts of BF16-kept layers use rollout/vllm_bf16.py's experts method (vLLM's own CPU MoE does not survive a refit). Optionally (``record_routing``) the method keeps the
 last forward's ``topk_ids`` per layer (routing replay, rollout/routing.py).
 
 Configuration travels inside the HF config (``hf_overrides={"quantization_config": quantization_config_dict(...)}``)
@@ -339,6 +341,41 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
+# --------------------------------------------------------------------------------------------------- memory
+def _tensors(value) -> list[torch.Tensor]:
+    """Every tensor inside ``value`` (a tensor, a PackedWeight or another tuple, a list, a dict)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def fp8_layer_memory(model: torch.nn.Module) -> dict:
+    """What the engine's FP8 layers hold: ``fp8_params`` (their weights' element count), ``bytes`` (every tensor
+    they hold -- parameters, buffers and the method's own tensors: codes, scales, packed weights, dequantized
+    copies -- each storage counted once), ``layers`` and their GEMM ``backends``. ``bytes / fp8_params`` is ~1 (codes + scales) on the
+    scaled_mm path, 1 + 2 (or + 4 without BF16 units) with the CPU op's packed copy, 5 when emulating."""
+    fp8_params = nbytes = layers = 0
+    backends = set()
+    for m in model.modules():
+        method = getattr(m, "quant_method", None)
+        if not isinstance(method, (Fp8CoreLinearMethod, Fp8CoreMoEMethod)):
+            continue
+        layers += 1
+        backends.add(m.fp8core_backend)
+        fp8_params += (m.weight if isinstance(method, Fp8CoreLinearMethod) else m.w13_weight).numel()
+        if isinstance(method, Fp8CoreMoEMethod):
+            fp8_params += m.w2_weight.numel()
+        held = [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+        held += [t for v in vars(m).values() for t in _tensors(v)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held if t.numel()}
+        nbytes += sum(storages.values())
+    return {"fp8_params": fp8_params, "bytes": nbytes, "layers": layers, "backends": sorted(backends)}
+
+
 # --------------------------------------------------------------------------------------------------- MoE experts
 class Fp8CoreMoEMethod(FusedMoEMethodBase):
     """Experts of one MoE layer in fp8core FP8 (module docstring): per expert and projection quantized at
@@ -368,20 +405,18 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
         return FusedMoEQuantConfig.make()
 
     def expert_weights(self, layer: torch.nn.Module, e: int) -> dict[str, QuantizedTensor]:
-        """Expert ``e``'s FP8 gate / up / down as the engine holds them."""
+        """Expert ``e``'s FP8 gate / up / down as the engine holds them (views of the layer's parameters)."""
         inter, gran = layer.fp8core_inter, self.config.weight_granularity
-        sc13, sc2 = layer.fp8core_w13_scale[e], layer.fp8core_w2_scale[e]
-        return {"gate": QuantizedTensor(layer.fp8core_w13[e, :inter], sc13[_scale_rows(gran, [inter, inter], 0)],
-                                        gran, "e4m3"),
-                "up": QuantizedTensor(layer.fp8core_w13[e, inter:], sc13[_scale_rows(gran, [inter, inter], 1)],
-                                      gran, "e4m3"),
-                "down": QuantizedTensor(layer.fp8core_w2[e], sc2[_scale_rows(gran, [layer.fp8core_w2.shape[1]], 0)],
-                                        gran, "e4m3")}
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        sc13, sc2 = getattr(layer, f"w13{_SCALE}")[e], getattr(layer, f"w2{_SCALE}")[e]
+        return {"gate": QuantizedTensor(w13[e, :inter], sc13[_scale_rows(gran, [inter, inter], 0)], gran, "e4m3"),
+                "up": QuantizedTensor(w13[e, inter:], sc13[_scale_rows(gran, [inter, inter], 1)], gran, "e4m3"),
+                "down": QuantizedTensor(w2[e], sc2[_scale_rows(gran, [w2.shape[1]], 0)], gran, "e4m3")}
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         weights, scales = layer.fp8core_weights_loaded, layer.fp8core_scales_loaded
         layer.fp8core_weights_loaded, layer.fp8core_scales_loaded = set(), set()
-        if not weights and hasattr(layer, "fp8core_w13"):
+        if not weights and layer.w13_weight.dtype == torch.float8_e4m3fn:
             return  # nothing new was loaded
         inter, gran, pow2 = layer.fp8core_inter, self.config.weight_granularity, self.config.pow2_weight
         out = {}
@@ -408,11 +443,16 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
                 datas.append(torch.cat(parts, 0))
                 all_scales.append(torch.cat(ss, 0))
             out[kind] = (torch.stack(datas), torch.stack(all_scales).to(torch.float32))
-        layer.fp8core_w13, layer.fp8core_w13_scale = out["w13"]
-        layer.fp8core_w2, layer.fp8core_w2_scale = out["w2"]
+        # the codes and scales replace the FP32 staging as the layer's parameters: the staging is gone after the
+        # load (vLLM's reload re-creates it per layer while refitting, then copies the codes and scales into these
+        # very tensors: stable storage)
+        for kind in ("w13", "w2"):
+            data, sc = out[kind]
+            setattr(layer, f"{kind}_weight", Parameter(data, requires_grad=False))
+            setattr(layer, f"{kind}{_SCALE}", Parameter(sc, requires_grad=False))
         # the GEMM backend; the emulation's FP32 weights only when emulating, dequantized once per load / refit
         # (same values as per forward); the other backends read the codes and scales
-        layer.fp8core_backend = backend = resolve_backend(self.config.spec.backend, layer.fp8core_w13.device)
+        layer.fp8core_backend = backend = resolve_backend(self.config.spec.backend, layer.w13_weight.device)
         experts = [self.expert_weights(layer, e) for e in range(w.shape[0])]
         layer.fp8core_dq = ([{p: dequantize(q) for p, q in ws.items()} for ws in experts] if backend == "emulated"
                             else None)
@@ -436,5 +476,5 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
             return fp8_linear_forward(v, self.expert_weights(layer, e)[part], None, recipe=recipe,
                                       pow2_activation=pow2_act, backend=layer.fp8core_backend)
 
-        return experts_forward(x, topk_ids, topk_weights, num_experts=layer.fp8core_w13.shape[0], linear=linear,
+        return experts_forward(x, topk_ids, topk_weights, num_experts=layer.w13_weight.shape[0], linear=linear,
                                act=torch.nn.functional.silu)
