@@ -20,7 +20,7 @@ NON_FINITE = ("quantize: input contains non-finite values (inf or nan, or beyond
 class NonFiniteInput(ValueError):
     """What the quantizer raises on non-finite input (message :data:`NON_FINITE`); a ValueError, so callers that
     catch those see it as before, and a caller that must not raise mid-computation (the engine's op,
-    rollout/fp8_op.py) can tell it from every other error."""
+    rollout/engine_ops.py) can tell it from every other error."""
 
 
 def _round_up_pow2(scale: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,7 @@ from fp8core.linear import (
 from fp8core.moe import experts_forward
 from fp8core.quant import GROUP, NonFiniteInput, QuantizedTensor, dequantize, quantize, record_nonfinite
 from fp8core.spec import FP8Spec
-from rollout.fp8_op import engine_key, register_layer
+from rollout.engine_ops import engine_key, register_layer
 from rollout.vllm_bf16 import (
     Bf16EmulatedMoEMethod,
     Fp32GateLinearMethod,
@@ -138,7 +138,7 @@ class Fp8CoreConfig(QuantizationConfig):
         self.pow2_weight = spec.pow2_weight
         self.pow2_activation = spec.pow2_activation
         self.weight_block_size = [GROUP, GROUP] if spec.recipe == "blockwise" else None
-        self.engine = engine_key()  # this engine's part of its layers' op keys (rollout/fp8_op.py)
+        self.engine = engine_key()  # this engine's part of its layers' op keys (rollout/engine_ops.py)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Fp8CoreConfig:
@@ -234,7 +234,7 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
 
     def __init__(self, config: Fp8CoreConfig, prefix: str):
         self.config = config
-        self.key = f"{config.engine}/{prefix}"  # the layer's name for the engine's op (rollout/fp8_op.py)
+        self.key = f"{config.engine}/{prefix}"  # the layer's name for the engine's op (rollout/engine_ops.py)
         from fp8core import kernels
 
         kernels.load()  # the fused quantize kernel (built once per CPU kind, logged) before the first forward
@@ -307,7 +307,7 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
         return out
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """One call of the engine's op (rollout/fp8_op.py), which runs :meth:`forward`: a traced (compiled) model
+        """One call of the engine's op (rollout/engine_ops.py), which runs :meth:`forward`: a traced (compiled) model
         records it as one node and reads the layer's current weights whenever it runs."""
         return torch.ops.fp8core_engine.linear(x, bias, self.key)
 

@@ -177,7 +177,7 @@ def test_fp8_engine_matches_fp8_trainer_after_refit(worker, model_dir, checkpoin
 @pytest.fixture(scope="module")
 def compiled(model_dir, tmp_path_factory):
     """The same recipe's engine with ``enforce_eager: false``: vLLM traces the model into one graph (TorchDynamo;
-    ``compile_backend: eager`` runs the graph without Inductor), the FP8 layers one op each (rollout/fp8_op.py)."""
+    ``compile_backend: eager`` runs the graph without Inductor), the FP8 layers one op each (rollout/engine_ops.py)."""
     from torch._dynamo.utils import counters
 
     from rollout.engine import RolloutWorker
