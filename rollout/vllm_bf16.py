@@ -38,6 +38,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 
 from fp8core.bf16 import round_bf16
 from fp8core.moe import experts_forward
+from rollout.engine_ops import engine_key, register_layer
 
 QUANT_NAME = "bf16_emulated"
 
@@ -55,6 +56,10 @@ def engine_kwargs() -> dict[str, Any]:
 @register_quantization_config(QUANT_NAME)
 class Bf16EmulatedConfig(QuantizationConfig):
     """BF16 linears as FP32 GEMMs on BF16-valued operands; see the module docstring."""
+
+    def __init__(self):
+        super().__init__()
+        self.engine = engine_key()  # this engine's part of its experts' op keys (rollout/engine_ops.py)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Bf16EmulatedConfig:
@@ -79,7 +84,7 @@ class Bf16EmulatedConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, RoutedExperts):
-            return Bf16EmulatedMoEMethod(layer.moe_config)
+            return Bf16EmulatedMoEMethod(layer.moe_config, f"{self.engine}/{prefix}")
         if not isinstance(layer, LinearBase):
             return None
         return Fp32GateLinearMethod() if is_moe_gate(prefix) else Bf16EmulatedLinearMethod()
@@ -188,14 +193,16 @@ class Bf16EmulatedMoEMethod(FusedMoEMethodBase):
     FP32 weight holding its BF16 rounding, ``F.linear(x.float(), w)`` rounded to x's dtype (a BF16 GEMM's result).
     Re-rounds at every load / refit."""
 
-    def __init__(self, moe: FusedMoEConfig):
+    def __init__(self, moe: FusedMoEConfig, key: str):
         super().__init__(moe)
+        self.key = key  # the layer's name for the engine's experts op (rollout/engine_ops.py)
         self.record_routing = False
         self.last_topk_ids: torch.Tensor | None = None
 
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
         stage_expert_weights(layer, num_experts, hidden_size, intermediate_size_per_partition)
+        register_layer(self.key, layer, self.forward)
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig | None:
         return FusedMoEQuantConfig.make()
@@ -212,6 +219,11 @@ class Bf16EmulatedMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        return torch.ops.fp8core_engine.experts(x, topk_weights, topk_ids, self.key)
+
+    def forward(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts' output (what :meth:`apply` asks the engine's op for)."""
         if self.record_routing:
             self.last_topk_ids = topk_ids.detach().to(torch.int16).cpu().clone()
         xf = x.to(torch.float32) if x.dtype != torch.float32 else round_bf16(x)

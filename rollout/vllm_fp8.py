@@ -90,7 +90,7 @@ from fp8core.linear import (
     resolve_backend,
 )
 from fp8core.moe import experts_forward
-from fp8core.quant import GROUP, NonFiniteInput, QuantizedTensor, dequantize, quantize, record_nonfinite
+from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
 from fp8core.spec import FP8Spec
 from rollout.engine_ops import engine_key, register_layer
 from rollout.vllm_bf16 import (
@@ -179,8 +179,9 @@ class Fp8CoreConfig(QuantizationConfig):
         if isinstance(layer, RoutedExperts):
             idx = self.layer_index(prefix)
             if idx is None or idx not in self.fp8_layers:
-                return Bf16EmulatedMoEMethod(layer.moe_config)  # BF16-kept layer (vLLM's own MoE fails refits)
-            return Fp8CoreMoEMethod(self, layer.moe_config)
+                # a BF16-kept layer (vLLM's own MoE fails refits)
+                return Bf16EmulatedMoEMethod(layer.moe_config, f"{self.engine}/{prefix}")
+            return Fp8CoreMoEMethod(self, layer.moe_config, f"{self.engine}/{prefix}")
         if not isinstance(layer, LinearBase):
             return None  # embeddings, lm_head, attention: unquantized (KV cache dtype is set separately)
         if is_moe_gate(prefix):
@@ -314,19 +315,7 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
     def forward(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The layer's FP8 output: the activation quantized once for all partitions (q/k/v, gate/up), then the
         backend's GEMMs -- one over the partitions side by side on the CPU op and the emulation (each column is the
-        same dot product), one per partition on scaled_mm (the trainer's GEMM shapes, so the same kernels).
-
-        Non-finite activations do not raise here, on any device: the output is NaN and the device's flag is set
-        (fp8core.quant.record_nonfinite), which the engine checks after each generation and at start-up clears
-        (vLLM's warm-up of a compiled model runs on uninitialized buffers). Off the CPU the quantizer never reads
-        the device, so the flag is all there is."""
-        try:
-            return self._forward(layer, x, bias)
-        except NonFiniteInput:
-            record_nonfinite(x.device)
-            return x.new_full((*x.shape[:-1], layer.output_size_per_partition), float("nan"))
-
-    def _forward(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        same dot product), one per partition on scaled_mm (the trainer's GEMM shapes, so the same kernels)."""
         recipe, pow2_act = self.config.recipe, self.config.pow2_activation
         if layer.fp8core_backend == "cpu":
             return fp8_linear_forward_cpu(x, layer.fp8core_packed, bias, recipe=recipe, pow2_activation=pow2_act)
@@ -381,9 +370,10 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
     """Experts of one MoE layer in fp8core FP8 (module docstring): per expert and projection quantized at
     load / refit (or FP8 codes + scales taken as they are), the trainer's expert loop at run time."""
 
-    def __init__(self, config: Fp8CoreConfig, moe: FusedMoEConfig):
+    def __init__(self, config: Fp8CoreConfig, moe: FusedMoEConfig, key: str):
         super().__init__(moe)
         self.config = config
+        self.key = key  # the layer's name for the engine's experts op (rollout/engine_ops.py)
         self.record_routing = False
         self.last_topk_ids: torch.Tensor | None = None
         from fp8core import kernels
@@ -394,6 +384,7 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra_weight_attrs):
         inter, gran = intermediate_size_per_partition, self.config.weight_granularity
         stage_expert_weights(layer, num_experts, hidden_size, inter)
+        register_layer(self.key, layer, self.forward)
         # pre-quantized refits / exports also bring <expert>.<proj>.weight_scale_inv per expert and projection
         for kind, widths, k in (("w13", [inter, inter], hidden_size), ("w2", [hidden_size], inter)):
             sc = Parameter(torch.ones(num_experts, *_scale_shape(gran, widths, k), dtype=torch.float32),
@@ -462,6 +453,12 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        return torch.ops.fp8core_engine.experts(x, topk_weights, topk_ids, self.key)
+
+    def forward(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts' output (what :meth:`apply` asks the engine's op for): the trainer's expert loop on the
+        layer's backend."""
         if self.record_routing:
             self.last_topk_ids = topk_ids.detach().to(torch.int16).cpu().clone()
         recipe, pow2_act = self.config.recipe, self.config.pow2_activation

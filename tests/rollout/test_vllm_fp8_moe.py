@@ -24,6 +24,16 @@ def model_dir():
     return quick_sft_model(MODELS, moe=True, steps=20)
 
 
+def _cfg(run_dir, *extra):
+    f8 = "policy.megatron_cfg.fp8_cfg"
+    return load_config(ROOT / "configs" / "tiny_moe_fp8_e2e.yaml", [
+        "policy.precision=float32", "policy.optimizer.lr=1e-3", "policy.train_global_batch_size=8",
+        "policy.train_micro_batch_size=4", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
+        f"{f8}.num_first_layers_in_bf16={FIRST}", f"{f8}.pow2_weight_scaling_factors=true",
+        "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={run_dir}",
+        f"{f8}.backend=cpu", *extra])  # the CPU FP8 GEMM on every CPU kind (auto: the emulation without BF16 units)
+
+
 @pytest.fixture(scope="module")
 def pair(model_dir, tmp_path_factory):
     import random
@@ -34,13 +44,7 @@ def pair(model_dir, tmp_path_factory):
     from trainer.policy import PolicyWorker
 
     tmp = tmp_path_factory.mktemp("moe")
-    f8 = "policy.megatron_cfg.fp8_cfg"
-    cfg = load_config(ROOT / "configs" / "tiny_moe_fp8_e2e.yaml", [
-        "policy.precision=float32", "policy.optimizer.lr=1e-3", "policy.train_global_batch_size=8",
-        "policy.train_micro_batch_size=4", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
-        f"{f8}.num_first_layers_in_bf16={FIRST}", f"{f8}.pow2_weight_scaling_factors=true",
-        "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={tmp}",
-        f"{f8}.backend=cpu"])  # the CPU FP8 GEMM on every CPU kind (auto keeps the emulation without BF16 units)
+    cfg = _cfg(tmp)
     policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
     engine = RolloutWorker(model_dir, cfg, run_dir=tmp / "rollout")
     rng = random.Random(0)
@@ -184,3 +188,24 @@ def test_routing_capture_and_replay(pair):
     policy.router_replay = False
     assert m["moe/router_replay"] == 1.0 and 0.0 <= m["moe/routing_mismatch_frac"] < 0.2
     assert m["moe/expert_load_max"] >= 1.0 >= m["moe/expert_load_min"] >= 0.0 and m["moe/expert_load_cv"] >= 0.0
+
+
+def test_compiled_moe_engine_gives_the_eager_engines_bits(pair, model_dir, tmp_path):
+    """``enforce_eager: false`` on the MoE engine: its experts (FP8 and the BF16-kept layer's) are one op each
+    (rollout/engine_ops.py), so the model traces; a compiled and an eager engine, both fresh and refitted with the
+    trained weights, sample the same, token ids and logprobs bit for bit."""
+    from rollout.engine import RolloutWorker
+
+    policy, _, prompts = pair
+    weights = policy.refit_weights()
+    samples = []
+    for name, extra in (("eager", []), ("compiled", ["policy.generation.vllm_cfg.enforce_eager=false",
+                                                     "policy.generation.vllm_cfg.compile_backend=eager"])):
+        engine = RolloutWorker(model_dir, _cfg(tmp_path, *extra), run_dir=tmp_path / name)
+        try:
+            engine.refit(weights, weights_version=1)
+            samples.append([[(s["token_ids"], s["logprobs"]) for s in p["samples"]]
+                            for p in engine.generate(prompts, n=4, max_tokens=16, seed=3)])
+        finally:
+            engine.shutdown()
+    assert samples[0] == samples[1]
