@@ -136,12 +136,14 @@ def check_rollout_kv(cfg: Config, model_dir: Path) -> tuple[str, str]:
     starts (a Ray cluster's nodes may differ from the driver's)."""
     from configs.schema import ConfigError
     from rollout.checkpoint import _read_model_config
-    from rollout.kv_cache import resolve_kv_mode
+    from rollout.kv_cache import check_compiled_kv, resolve_kv_mode
 
     vc = cfg.policy.generation.vllm_cfg
     try:
-        return resolve_kv_mode(_read_model_config(Path(model_dir)), vc.kv_cache_dtype, vc.kv_cache_impl,
-                               on_gpu=cfg.ray.rollout_worker.num_gpus > 0)
+        mode, reason = resolve_kv_mode(_read_model_config(Path(model_dir)), vc.kv_cache_dtype, vc.kv_cache_impl,
+                                       on_gpu=cfg.ray.rollout_worker.num_gpus > 0)
+        check_compiled_kv(mode, vc.enforce_eager)
+        return mode, reason
     except ValueError as e:
         raise ConfigError(str(e)) from e
 

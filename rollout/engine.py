@@ -64,6 +64,7 @@ from rollout.emulation import _eager_token_ranks, _install_kv_emulation
 from rollout.kv_cache import (
     _attention_layer_names,
     _set_attention_scales,
+    check_compiled_kv,
     check_kv_budget,
     check_kv_scales,
     check_kv_version,
@@ -188,6 +189,7 @@ class RolloutWorker:
             self.bf16_mode = "emulated"
         self.kv_mode, self.kv_mode_reason = resolve_kv_mode(self.model_cfg, vc.kv_cache_dtype, vc.kv_cache_impl,
                                                             caps=self.cpu, on_gpu=self.on_gpu)
+        check_compiled_kv(self.kv_mode, vc.enforce_eager)
         if vc.kv_cache_dtype == "fp8":
             print(f"RolloutWorker: FP8 KV cache {self.kv_mode} ({self.kv_mode_reason})", flush=True)
         self.bytes_per_token = kv_bytes_per_token(self.model_cfg, "fp8" if self.kv_mode == "fp8-native" else "auto")

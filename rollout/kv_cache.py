@@ -85,6 +85,15 @@ def resolve_kv_mode(model_cfg: Mapping, kv_cache_dtype: str, kv_cache_impl: str 
     return "fp8-emulated", "; ".join(problems) + " -> emulated (BF16 cache rounded through E4M3)"
 
 
+def check_compiled_kv(kv_mode: str, enforce_eager: bool) -> None:
+    """Refuse the emulated FP8 KV cache in a compiled engine: its rounding is a forward pre-hook (rollout/emulation.py)
+    whose scales a traced model would keep from the trace, not take from each refit."""
+    if kv_mode == "fp8-emulated" and not enforce_eager:
+        raise ValueError("policy.generation.vllm_cfg.enforce_eager: false cannot run the emulated FP8 KV cache (its "
+                         "rounding is a Python hook that a compiled model would run with the scales of its trace); "
+                         "use enforce_eager: true, or kv_cache_impl: native where vLLM allows it")
+
+
 def kv_bytes_per_token(model_cfg: Mapping, kv_cache_dtype: str) -> int:
     """KV-cache bytes one token takes over all layers: layers * 2 (K and V) * kv_heads * head_dim * element size.
     ``kv_cache_dtype`` is what the engine stores: "fp8" (native) or "auto" (BF16; also the emulated FP8 mode)."""

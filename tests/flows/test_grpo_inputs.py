@@ -119,6 +119,24 @@ def test_native_fp8_kv_refused_at_load_under_the_avx2_cap(monkeypatch, tmp_path)
         check_rollout_kv(native, odd)
 
 
+def test_compiled_engine_with_the_emulated_fp8_kv_cache_is_refused_before_any_worker_starts():
+    """The emulated FP8 KV cache rounds K / V in a Python hook that a compiled engine would run with the scales of
+    its trace: refused at load time, naming the key; native and BF16 caches compile."""
+    from cluster.runtime import check_rollout_kv
+    from configs.schema import ConfigError, load_config
+    from embedded.tiny_model import TinyModelSpec, build_tiny_model
+
+    model = build_tiny_model(ROOT / "runs" / "test-env" / "policy-tiny",
+                             TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000))
+    compiled = [f"policy.model_name={model}", "policy.generation.vllm_cfg.enforce_eager=false"]
+    emulated = ["policy.generation.vllm_cfg.kv_cache_dtype=fp8", "policy.generation.vllm_cfg.kv_cache_impl=emulated"]
+    with pytest.raises(ConfigError, match=r"^policy.generation.vllm_cfg.enforce_eager: false cannot run the "
+                                          r"emulated FP8 KV cache"):
+        check_rollout_kv(load_config(RECIPE, compiled + emulated), model)
+    assert check_rollout_kv(load_config(RECIPE, compiled[:1] + emulated), model)[0] == "fp8-emulated"
+    assert check_rollout_kv(load_config(RECIPE, compiled), model)[0] == "bf16"
+
+
 def test_ray_temp_dir_fits_unix_socket_limit(monkeypatch, tmp_path):
     from cluster.runtime import ray_temp_dir
 
