@@ -239,6 +239,10 @@ class RolloutWorker:
             _eager_token_ranks()
         if self.fp8 is not None:
             import rollout.vllm_fp8  # noqa: F401  (registers the quantization method)
+            from fp8core.quant import record_nonfinite
+
+            # the device's non-finite flag exists before any CUDA graph is captured (not made inside one)
+            record_nonfinite(self._device(), False)
         if self.bf16_mode == "emulated":
             import rollout.vllm_bf16  # noqa: F401  (registers bf16_emulated)
         with _ProcessStateGuard():
@@ -269,7 +273,11 @@ class RolloutWorker:
             return False
         from fp8core.quant import nonfinite_seen
 
-        return nonfinite_seen(torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else "cpu")
+        return nonfinite_seen(self._device())
+
+    def _device(self) -> torch.device:
+        """The device the engine's model runs on."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
 
     def shutdown(self) -> None:
         """Stop the engine and free its memory (in-process: drops the engine core and the distributed group)."""

@@ -16,8 +16,9 @@ Why a key, not the weight tensors as arguments: a traced graph that took the lay
 keep the tensors of the load it was traced on, and vLLM's single trace never re-checks them, while a refit replaces
 them (the CPU op's packed weight is rebuilt per refit). The key is a constant string; the layer's current tensors
 are read when the op runs, so the traced model sees every refit. (vLLM's attention op finds its layer by name the
-same way.) Inside a CUDA graph the op's Python does not run again at replay; there the weights must be refitted in
-place into the same storage (docs/gpu.md says what waits for a GPU).
+same way.) Inside a CUDA graph the op's Python does not run again at replay: there the kernels it captured read the
+layer's parameters, which vLLM's reload refits in place (same storage); docs/performance.md says what waits for a
+GPU.
 
 Keys are ``<engine>/<prefix>``: ``<engine>`` numbers the quantization configs of this process (one per engine), so
 two engines in one process (tests, the mismatch diagnostics) never share a layer. The registry holds layers weakly:
