@@ -39,7 +39,11 @@ process constant            measured: what a step allocates beyond the tensors a
 ==========================  ==================================================================================
 
 P counts every parameter (masters are FP32 on the trainer; the baseline holds them, so they are not a term);
-element sizes are 4 B on CPU (FP32 training) and ``act_bytes`` = 2 under BF16 autocast on a GPU. The counts of
+activations are FP32 (4 B) except, under BF16 autocast (``policy.precision: bfloat16``; ``autocast=True``), what
+autocast itself casts: per decoder layer the attention kernel's queries, keys, values and output (2 q + 2 kv
+elements, 2 B) and the output projection's input (h of the final norm's 3 h, 2 B). The FP8 linears' inputs and
+outputs stay FP32 under autocast (fp8core's linear runs outside it), as do the norms, the MLP and the experts; a model
+that counted every activation at 2 B under autocast undercounted them by ~1.9x. The counts of
 saved tensors per token come from the pipeline's own forward (Qwen3 decoder layers with fp8core linears, counted with
 autograd's saved-tensor hooks, deduplicated by storage); a different attention kernel or model family moves them.
 ``bench.memory`` prints each measured peak beside this prediction."""
@@ -123,6 +127,12 @@ class ModelShape:
         return max(self.hidden * q, mlp)
 
     # activations
+    def layer_activation_bytes(self, autocast: bool = False) -> int:
+        """Bytes autograd saves per token in one decoder layer: FP32, but the attention kernel's 2 q + 2 kv elements
+        in BF16 under BF16 autocast (module docstring)."""
+        bf16 = 2 * self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim if autocast else 0
+        return F32 * self.layer_activation_elems() - 2 * bf16
+
     def layer_activation_elems(self) -> int:
         """Elements autograd saves per token in one decoder layer (module docstring)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -133,12 +143,12 @@ class ModelShape:
 
 
 def predict_peak(shape: ModelShape, *, world: int, micro_batch_tokens: int, micro_batches: int = 2,
-                 fp8: str | None = "emulated", activation_checkpointing: bool = False, act_bytes: int = F32,
+                 fp8: str | None = "emulated", activation_checkpointing: bool = False, autocast: bool = False,
                  prefetch: int = 0, process_constant: float = 0.0) -> dict[str, float]:
     """The terms (bytes) of one rank's steady-state peak above its baseline and their ``total``.
 
     ``fp8``: None (no FP8 linears), ``"emulated"`` (FP8 codes computed in FP32: the CPU's trainer) or ``"native"``
-    (FP8 GEMMs: codes only). ``micro_batch_tokens``: rows x padded length of one training micro-batch;
+    (FP8 GEMMs: codes only). ``autocast``: the forward runs under BF16 autocast (module docstring). ``micro_batch_tokens``: rows x padded length of one training micro-batch;
     ``micro_batches``: how many one update runs on this rank."""
     if world < 1 or micro_batch_tokens < 0 or micro_batches < 1:
         raise ValueError(f"world >= 1, micro_batch_tokens >= 0 and micro_batches >= 1 required, got {world}, "
@@ -151,16 +161,33 @@ def predict_peak(shape: ModelShape, *, world: int, micro_batch_tokens: int, micr
     terms["fp8_weight_cache"] = s.fp8_params * fp8_bytes if m == 1 else 0.0
     terms["gathered_layers"] = 0.0 if m == 1 else (
         (2 + prefetch) * F32 * s.layer_params + 2 * F32 * s.root_params * (1 - 1 / m) + fp8_bytes * s.largest_linear)
-    per_layer = s.layer_activation_elems()
-    if activation_checkpointing:
-        saved = s.layers * s.hidden + per_layer
+    per_layer = s.layer_activation_bytes(autocast)
+    if activation_checkpointing:  # each layer's input (the FP32 residual stream) + one layer recomputed
+        saved = s.layers * s.hidden * F32 + per_layer
     else:
         saved = s.layers * per_layer
-    terms["activations"] = float(t * (saved + 3 * s.hidden) * act_bytes)
+    final_norm = (2 * F32 + 2) * s.hidden if autocast else 3 * F32 * s.hidden  # the output projection's input BF16
+    terms["activations"] = float(t * (saved + final_norm))
     if micro_batches == 1:  # gradients appear as activations are freed: the peak holds the larger
         terms["gradients"] = max(0.0, terms["gradients"] - terms["activations"])
     terms["logits"] = float(t * s.vocab * 3 * F32)
-    terms["backward_transients"] = float(t * per_layer * act_bytes)
+    terms["backward_transients"] = float(t * per_layer)
     terms["process_constant"] = float(process_constant)
     terms["total"] = math.fsum(terms.values())
     return terms
+
+
+def predict_engine(shape: ModelShape, *, fp8_layers: int, kv_bytes_per_token: int, gpu_bytes: float,
+                   utilization: float) -> dict[str, float]:
+    """A rollout engine's memory on one GPU (bytes): its weights as the FP8 engine holds them on the scaled_mm path
+    (rollout.vllm_fp8.fp8_layer_memory measures ~1 byte per FP8 parameter on the tiny engines) -- the FP8 decoder
+    layers' linears 1 B per parameter + an FP32 scale per 128x128 block, the other parameters 2 B (BF16: embeddings,
+    output projection, norms, the BF16-kept layers), routers 4 B (FP32) -- and what vLLM's budget
+    (``utilization`` x the GPU) leaves for the KV cache, in tokens. vLLM's activation workspace and CUDA graphs come
+    out of that budget too and are not counted (vLLM profiles them at start-up)."""
+    fp8 = fp8_layers * (shape.attention_params + shape.mlp_params)
+    router = shape.layers * shape.hidden * shape.experts
+    weights = fp8 * (1 + F32 / (128 * 128)) + 2 * (shape.params - fp8 - router) + F32 * router
+    kv_room = utilization * gpu_bytes - weights
+    return {"fp8_params": float(fp8), "weights": float(weights), "budget": utilization * gpu_bytes,
+            "kv_room": kv_room, "kv_tokens": max(0.0, kv_room) / kv_bytes_per_token}

@@ -31,10 +31,18 @@ def test_the_30b_layout_fits_only_as_the_recipe_lays_it_out(monkeypatch, tmp_pat
 
 
 def test_command_prints_every_recipe_with_and_without_checkpointing(monkeypatch, tmp_path, capsys):
+    """Trainer rows with and without checkpointing, fits on an H100 (80 GB) and an H200 (141 GB): as the recipes
+    lay them out (checkpointing on) the 8B trainers fit both, the 30B's 8 ranks the H200 only; without checkpointing
+    none fits an H100. Engine rows per GPU size: every recipe's engine fits both."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert main([str(p) for p in sorted(GPU.glob("*.yaml"))] + ["--no-results-doc"]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "fp8-e2e" in ln]
-    assert len(rows) == 6 and all(ln.endswith("| yes |") for ln in rows)
+    trainers, engines = rows[:6], rows[6:]
+    assert len(trainers) == 6 and len(engines) == 6 and all(ln.endswith("| yes |") for ln in engines)
+    laid_out = [ln for ln in trainers if "| on |" in ln]
+    assert [ln.endswith("| no | yes |") for ln in laid_out] == ["qwen3-30b" in ln for ln in laid_out]
+    assert all(ln.endswith("| yes | yes |") for ln in laid_out if "qwen3-30b" not in ln)
+    assert all("| no |" in ln for ln in trainers if "| off |" in ln)
 
 
 def test_a_recipe_that_names_an_unknown_model_fails_in_one_line(monkeypatch, tmp_path, capsys):

@@ -54,7 +54,7 @@ def test_gpu_recipes_validate(name):
     assert (c.rollout_workers, c.policy_workers, r.rollout_worker.num_gpus, r.policy_worker.num_gpus) == (n, n, 1, 1)
     assert c.rollout_workers * r.rollout_worker.num_gpus + c.policy_workers * r.policy_worker.num_gpus == 2 * n
     assert c.num_nodes * c.gpus_per_node == 2 * n and (c.num_nodes == 1 or r.address)
-    assert cfg.policy.megatron_cfg.activation_checkpointing == (n == 8)
+    assert cfg.policy.megatron_cfg.activation_checkpointing  # every GPU recipe's trainers need it (bench.layouts)
     if name.startswith("qwen3-8b"):
         assert vc.kv_cache_dtype == "fp8" and cfg.policy.model_name == "Qwen/Qwen3-8B-Base"
     if name.startswith("qwen3-30b-a3b"):  # MoE: experts FP8 on both sides, routing replay on
