@@ -70,6 +70,10 @@ class VllmCfg:
     # with enforce_eager false: inductor = vLLM's compilation; eager = the model traced into one graph (TorchDynamo)
     # run without Inductor (on CPU a trace of seconds instead of minutes of kernel compilation)
     compile_backend: Literal["inductor", "eager"] = "inductor"
+    # vLLM's attention backend by name (e.g. FLASH_ATTN, TRITON_ATTN, FLASHINFER); null = TRITON_ATTN where an FP8
+    # KV cache runs on a GPU (it dequantizes K / V and keeps the query in BF16, which is what the trainer's KV
+    # rounding replays; FlashAttention 3 would quantize the query and P to FP8 too), vLLM's own choice elsewhere
+    attention_backend: str | None = None
     use_deep_gemm: bool = False
     max_num_seqs: int = 256  # sequences per engine step
     # tokens per engine step; chunked prefill is off (rollout/engine.py), so it must be >= max_model_len

@@ -190,6 +190,12 @@ class RolloutWorker:
         self.kv_mode, self.kv_mode_reason = resolve_kv_mode(self.model_cfg, vc.kv_cache_dtype, vc.kv_cache_impl,
                                                             caps=self.cpu, on_gpu=self.on_gpu)
         check_compiled_kv(self.kv_mode, vc.enforce_eager)
+        if vc.attention_backend is not None:
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+            if vc.attention_backend not in AttentionBackendEnum.__members__:
+                raise ValueError(f"policy.generation.vllm_cfg.attention_backend: {vc.attention_backend!r} is not one "
+                                 f"of vLLM's attention backends ({', '.join(AttentionBackendEnum.__members__)})")
         if vc.kv_cache_dtype == "fp8":
             print(f"RolloutWorker: FP8 KV cache {self.kv_mode} ({self.kv_mode_reason})", flush=True)
         self.bytes_per_token = kv_bytes_per_token(self.model_cfg, "fp8" if self.kv_mode == "fp8-native" else "auto")
@@ -219,6 +225,11 @@ class RolloutWorker:
                 cc.update(backend="eager", **({} if self.on_gpu else {"mode": 2}))  # 2: DYNAMO_TRACE_ONCE
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = vc.gpu_memory_utilization
+        if vc.attention_backend is not None:
+            kwargs["attention_backend"] = vc.attention_backend
+        elif self.on_gpu and self.kv_mode == "fp8-native":
+            # K / V dequantized, the query BF16: what the trainer's KV rounding replays (configs/sections.py)
+            kwargs["attention_backend"] = "TRITON_ATTN"
         if self.kv_mode == "fp8-native":
             kwargs["kv_cache_dtype"] = "fp8_e4m3"
         if self.bf16_mode == "emulated":

@@ -158,6 +158,12 @@ def test_native_fp8_kv_refused_before_engine_for_a_head_size_vllm_cpu_rejects(mo
         RolloutWorker(odd, standalone_engine_config(kv_cache_dtype="fp8", kv_cache_impl="native"), run_dir=tmp_path / "run")
 
 
+def test_unknown_attention_backend_refused_before_engine(model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"attention_backend: 'FLASH' is not one of vLLM's attention backends \(.*"
+                                         r"TRITON_ATTN"):
+        RolloutWorker(model_dir, standalone_engine_config(attention_backend="FLASH"), run_dir=tmp_path / "run")
+
+
 def test_kv_budget_too_small_for_one_sequence(model_dir, tmp_path):
     # 256 tokens * 2048 bytes/token (bf16) = 512 KiB needed
     with pytest.raises(ValueError, match="kv_cache_memory_bytes=100000 is too small.*max_model_len=256"):
