@@ -2,6 +2,10 @@
 group (gloo on CPU, NCCL on GPU), the model sharded with torch's FSDP2 ``fully_shard`` (per decoder layer, then the
 root): each rank holds 1/M of the FP32 masters, of the gradients and of the AdamW state.
 
+A rank never holds the whole model: it builds the model on the meta device, converts and shards it, then
+allocates and fills only its own shard from the checkpoint, one tensor at a time (:func:`build_on_meta`,
+:func:`materialize_shards`).
+
 How the trainer uses it (trainer/policy.py) -- per-layer, as FSDP is meant to run: a decoder layer's full weights
 exist only while that layer computes (gathered before its forward and again before its backward, freed after
 each), gradients are reduce-scattered per layer as the backward passes it, and the root unit (embeddings, final
@@ -49,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["DPGroup", "Rendezvous", "init_group", "checkpoint_layers", "shard_model", "fsdp_modules", "per_layer_no_grad", "equal_count", "gathered_units", "all_sum", "all_min", "gather_objects", "full_tensor", "longest_first_batches",
+__all__ = ["DPGroup", "Rendezvous", "build_on_meta", "materialize_shards", "init_group", "checkpoint_layers", "shard_model", "fsdp_modules", "per_layer_no_grad", "equal_count", "gathered_units", "all_sum", "all_min", "gather_objects", "full_tensor", "longest_first_batches",
            "share_batches", "clip_grad_norm"]
 
 
@@ -181,6 +185,61 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
     for m in model.modules():
         if getattr(m, "weight_cache", None) is not None:
             m.weight_cache = None  # fp8core.linear.FP8Linear: quantize per use, keep no copy
+
+
+def build_on_meta(model_dir) -> nn.Module:
+    """The model of ``model_dir`` (its ``config.json``) built on the meta device: no weight is allocated anywhere.
+    A data-parallel rank converts it (FP8 linears, routers, checkpointing) and shards it like a loaded model, then
+    :func:`materialize_shards` allocates and fills only its own shard."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def materialize_shards(model: nn.Module, model_dir, device: torch.device) -> None:
+    """Allocate a sharded meta-built model (:func:`build_on_meta`, then :func:`shard_model`) on ``device`` and fill
+    it from ``model_dir``'s safetensors: each checkpoint tensor is read on the host one at a time and this rank keeps
+    its shard of it (FSDP2's dim-0 chunk); non-persistent buffers (rotary frequencies) are computed again by their
+    module's class from the model config. A rank so holds its shard + one full tensor, never the whole model."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    where = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            where.update(dict.fromkeys(st.keys(), f))
+    model.to_empty(device=device)
+    state = model.state_dict()
+    params = {id(p): n for n, p in model.named_parameters()}  # tied weights: one name per Parameter
+    missing = [k for k in state if k not in where and k in params.values()]
+    if missing:
+        raise ValueError(f"{model_dir}: the checkpoint lacks {missing[:3]} (of {len(missing)})")
+    with torch.no_grad():
+        for name, t in state.items():
+            if name not in where:
+                continue  # a tied alias or a non-persistent buffer
+            with safe_open(str(where[name]), framework="pt") as st:
+                full = st.get_tensor(name).to(device=device, dtype=t.dtype)
+            if isinstance(t, DTensor):
+                t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
+            else:
+                t.copy_(full)
+        for module in model.modules():
+            names = [b for b in module._buffers if b in module._non_persistent_buffers_set]
+            if not names:
+                continue
+            try:
+                fresh = type(module)(model.config)
+            except TypeError as e:
+                raise ValueError(f"{type(module).__name__}: its buffers {names} cannot be rebuilt from the model "
+                                 f"config on a meta-built data-parallel rank ({e})") from None
+            for b in names:
+                module._buffers[b] = fresh._buffers[b].to(device)
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:

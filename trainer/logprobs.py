@@ -26,7 +26,12 @@ def reference_model(worker):
     if worker.moe_layers:
         raise ValueError("loss_fn.reference_policy_kl_penalty: a reference-policy KL term is not supported for "
                          "MoE models (routing replay covers the policy only); set it to 0")
-    ref = AutoModelForCausalLM.from_pretrained(worker.model_dir, dtype=torch.float32).to(worker.device)
+    if worker.dp.active:  # sharded and materialized like the policy (trainer.dp.materialize_shards)
+        from trainer.dp import build_on_meta
+
+        ref = build_on_meta(worker.model_dir)
+    else:
+        ref = AutoModelForCausalLM.from_pretrained(worker.model_dir, dtype=torch.float32).to(worker.device)
     ref.config.use_cache = False
     if worker.fp8_spec is not None:
         worker.fp8_spec.convert(ref)

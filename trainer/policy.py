@@ -112,7 +112,13 @@ class PolicyWorker:
         self.bf16_mode = resolve_bf16_mode(p.bf16_mode, device=self.device, native_bf16=cpu_caps().native_bf16)
         self.bf16_emulation = BF16Emulation() if self.bf16_mode == "emulated" else None
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
+        self.dp = dp or DPGroup()
+        if self.dp.active:  # a data-parallel rank builds on the meta device and materializes only its shard below
+            from trainer.dp import build_on_meta
+
+            self.model = build_on_meta(self.model_dir)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
         self.model.config.use_cache = False
         from fp8core.moe import convert_routers
 
@@ -121,7 +127,6 @@ class PolicyWorker:
         self._moe_measure, self._moe_acc = False, None
         self.fp8_spec = cfg.trainer_fp8_spec()  # the one FP8 numerics spec (the engine's too in end-to-end FP8)
         self.fp8_layers: list[str] = self.fp8_spec.convert(self.model) if self.fp8_spec is not None else []
-        self.dp = dp or DPGroup()
         # policy.megatron_cfg.activation_checkpointing: decoder layers recompute their activations in the backward,
         # under the contexts their forward ran under (trainer.forward.forward_contexts); before sharding (trainer.dp)
         self._recompute = None  # during a forward: () -> its contexts, once more (trainer.forward.token_logp)
@@ -141,12 +146,14 @@ class PolicyWorker:
         # like the policy; its logprobs come from the trainer's own logprob pass (trainer.logprobs.reference_logprobs)
         self.ref_model = reference_model(self) if cfg.loss_fn.reference_policy_kl_penalty > 0 else None
         if self.dp.active:  # data-parallel rank: FSDP2 shards masters, gradients and optimizer state (trainer/dp.py)
-            from trainer.dp import init_group, shard_model
+            from trainer.dp import init_group, materialize_shards, shard_model
 
             init_group(self.dp, self.device)
             shard_model(self.model, self.device)
+            materialize_shards(self.model, self.model_dir, self.device)
             if self.ref_model is not None:
                 shard_model(self.ref_model, self.device)
+                materialize_shards(self.ref_model, self.model_dir, self.device)
             if self.bf16_emulation is not None:  # no rounded copy of a gathered weight (trainer/dp.py)
                 self.bf16_emulation.cache_weights = False
         self.optimizer, self.scheduler = self._optimizer()

@@ -1,8 +1,10 @@
 """trainer.dp's world-size-invariance helpers, without a process group: share_batches rebuilds the single worker's
-no-grad batches on every rank, clip_grad_norm clips as torch does but with a float64 norm; and activation
-checkpointing composed with FSDP2 sharding, on a one-rank group."""
+no-grad batches on every rank, clip_grad_norm clips as torch does but with a float64 norm; activation checkpointing
+composed with FSDP2 sharding, on a one-rank group; and two spawned ranks that build on the meta device and
+materialize only their shards."""
 import contextlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +142,48 @@ def test_checkpointed_layers_shard_and_give_the_plain_gradients():
         dist.destroy_process_group()
     for n, p in plain.named_parameters():
         assert torch.equal(grads[n], p.grad), n
+
+
+def _meta_built_rank(rank: int, world: int, store: str, model_dir: str, out: str) -> None:
+    """One rank of :func:`test_a_meta_built_rank_materializes_only_its_shard` (a spawned process)."""
+    import torch.distributed as dist
+
+    from trainer.dp import build_on_meta, full_tensor, materialize_shards, shard_model
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{store}")
+    try:
+        model = build_on_meta(model_dir)
+        on_meta = all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
+        shard_model(model, torch.device("cpu"))
+        materialize_shards(model, model_dir, torch.device("cpu"))
+        local = sum(p.to_local().numel() for p in model.parameters())
+        full = {n: full_tensor(p) for n, p in model.named_parameters()}
+        torch.save({"on_meta": on_meta, "local": local, "full": full,
+                    "buffers": {n: b.clone() for n, b in model.named_buffers()}}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_meta_built_rank_materializes_only_its_shard(tmp_path):
+    """Data-parallel ranks build the model on the meta device (nothing allocated), shard it, then allocate and fill
+    only their own shard from the checkpoint, one tensor at a time: each rank holds about half of the parameters,
+    and the gathered parameters and the recomputed buffers (rotary frequencies) equal the loaded model's bit for
+    bit."""
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    from embedded.tiny_model import TinyModelSpec, build_tiny_model
+
+    model_dir = build_tiny_model(Path(__file__).resolve().parents[2] / "runs" / "test-env" / "policy-tiny",
+                                 TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000))
+    mp.spawn(_meta_built_rank, args=(2, str(tmp_path / "store"), str(model_dir), str(tmp_path)), nprocs=2)
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    total = sum(p.numel() for p in loaded.parameters())
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["on_meta"]
+        assert got["local"] <= 0.52 * total, (rank, got["local"] / total)  # dim-0 halves (+ an odd row's padding)
+        for name, p in loaded.named_parameters():
+            assert torch.equal(got["full"][name], p.detach()), (rank, name)
+        for name, b in loaded.named_buffers():
+            assert torch.equal(got["buffers"][name], b), (rank, name)
