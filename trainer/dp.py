@@ -213,18 +213,24 @@ def materialize_shards(model: nn.Module, model_dir, device: torch.device) -> Non
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             where.update(dict.fromkeys(st.keys(), f))
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(where[key]), framework="pt") as st:
+            return st.get_tensor(key)
+
     model.to_empty(device=device)
     state = model.state_dict()
     params = {id(p): n for n, p in model.named_parameters()}  # tied weights: one name per Parameter
-    missing = [k for k in state if k not in where and k in params.values()]
+    missing = [k for k in state if k in params.values() and k not in where and _fused_experts(k, where) is None]
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint lacks {missing[:3]} (of {len(missing)})")
     with torch.no_grad():
         for name, t in state.items():
-            if name not in where:
+            parts = _fused_experts(name, where) if name not in where else None
+            if name not in where and parts is None:
                 continue  # a tied alias or a non-persistent buffer
-            with safe_open(str(where[name]), framework="pt") as st:
-                full = st.get_tensor(name).to(device=device, dtype=t.dtype)
+            full = read(name) if parts is None else torch.stack([torch.cat([read(k) for k in ks]) for ks in parts])
+            full = full.to(device=device, dtype=t.dtype)
             if isinstance(t, DTensor):
                 t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
             else:
@@ -240,6 +246,21 @@ def materialize_shards(model: nn.Module, model_dir, device: torch.device) -> Non
                                  f"config on a meta-built data-parallel rank ({e})") from None
             for b in names:
                 module._buffers[b] = fresh._buffers[b].to(device)
+
+
+def _fused_experts(name: str, where) -> list[list[str]] | None:
+    """The checkpoint keys a fused experts tensor is made of, per expert (transformers fuses MoE experts on load:
+    ``<p>.experts.gate_up_proj [E, 2I, H]`` = each expert's gate then up projection, ``<p>.experts.down_proj
+    [E, H, I]`` = each expert's down projection, stored as ``<p>.experts.<e>.<proj>.weight``), or None."""
+    prefix, _, kind = name.rpartition(".")
+    projections = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}.get(kind)
+    if projections is None or not prefix.endswith("experts"):
+        return None
+    out, e = [], 0
+    while all(f"{prefix}.{e}.{p}.weight" in where for p in projections):
+        out.append([f"{prefix}.{e}.{p}.weight" for p in projections])
+        e += 1
+    return out or None
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:

@@ -152,7 +152,7 @@ def _meta_built_rank(rank: int, world: int, store: str, model_dir: str, out: str
 
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{store}")
     try:
-        model = build_on_meta(model_dir)
+        model = _as_the_trainer_converts(build_on_meta(model_dir))
         on_meta = all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
         shard_model(model, torch.device("cpu"))
         materialize_shards(model, model_dir, torch.device("cpu"))
@@ -164,20 +164,32 @@ def _meta_built_rank(rank: int, world: int, store: str, model_dir: str, out: str
         dist.destroy_process_group()
 
 
-def test_a_meta_built_rank_materializes_only_its_shard(tmp_path):
-    """Data-parallel ranks build the model on the meta device (nothing allocated), shard it, then allocate and fill
-    only their own shard from the checkpoint, one tensor at a time: each rank holds about half of the parameters,
-    and the gathered parameters and the recomputed buffers (rotary frequencies) equal the loaded model's bit for
-    bit."""
+def _as_the_trainer_converts(model):
+    """The trainer's conversions before sharding (trainer/policy.py): FP32 routers, FP8 linears and experts."""
+    from fp8core.moe import convert_routers
+    from fp8core.spec import FP8Spec
+
+    convert_routers(model)
+    FP8Spec().convert(model)
+    return model
+
+
+@pytest.mark.parametrize("name, experts", [("policy-tiny", 0), ("policy-tiny-moe", 4)])
+def test_a_meta_built_rank_materializes_only_its_shard(name, experts, tmp_path):
+    """Data-parallel ranks build the model on the meta device (nothing allocated), convert and shard it, then
+    allocate and fill only their own shard from the checkpoint, one tensor at a time (MoE experts fused from their
+    per-expert tensors as transformers fuses them): each rank holds about half of the parameters, and the gathered
+    parameters and the recomputed buffers (rotary frequencies) equal the loaded model's bit for bit."""
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
     from embedded.tiny_model import TinyModelSpec, build_tiny_model
 
-    model_dir = build_tiny_model(Path(__file__).resolve().parents[2] / "runs" / "test-env" / "policy-tiny",
-                                 TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000))
+    model_dir = build_tiny_model(Path(__file__).resolve().parents[2] / "runs" / "test-env" / name,
+                                 TinyModelSpec(num_hidden_layers=2, tokenizer_corpus_size=2000,
+                                               **({"num_experts": experts} if experts else {})))
     mp.spawn(_meta_built_rank, args=(2, str(tmp_path / "store"), str(model_dir), str(tmp_path)), nprocs=2)
-    loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loaded = _as_the_trainer_converts(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     total = sum(p.numel() for p in loaded.parameters())
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
