@@ -88,7 +88,7 @@ class PolicyWorker:
 
     def __init__(self, model_dir: str | Path, cfg: Config, *, run_dir: str | Path | None = None,
                  dp: DPGroup | None = None, hooks: TestHooks | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from fp8core.rl.calibrated_clipping import CalibratedClipping
 
@@ -113,12 +113,7 @@ class PolicyWorker:
         self.bf16_emulation = BF16Emulation() if self.bf16_mode == "emulated" else None
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.dp = dp or DPGroup()
-        if self.dp.active:  # a data-parallel rank builds on the meta device and materializes only its shard below
-            from trainer.dp import build_on_meta
-
-            self.model = build_on_meta(self.model_dir)
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
+        self.model = self._build_model()
         self.model.config.use_cache = False
         from fp8core.moe import convert_routers
 
@@ -146,16 +141,7 @@ class PolicyWorker:
         # like the policy; its logprobs come from the trainer's own logprob pass (trainer.logprobs.reference_logprobs)
         self.ref_model = reference_model(self) if cfg.loss_fn.reference_policy_kl_penalty > 0 else None
         if self.dp.active:  # data-parallel rank: FSDP2 shards masters, gradients and optimizer state (trainer/dp.py)
-            from trainer.dp import init_group, materialize_shards, shard_model
-
-            init_group(self.dp, self.device)
-            shard_model(self.model, self.device)
-            materialize_shards(self.model, self.model_dir, self.device)
-            if self.ref_model is not None:
-                shard_model(self.ref_model, self.device)
-                materialize_shards(self.ref_model, self.model_dir, self.device)
-            if self.bf16_emulation is not None:  # no rounded copy of a gathered weight (trainer/dp.py)
-                self.bf16_emulation.cache_weights = False
+            self._shard()
         self.optimizer, self.scheduler = self._optimizer()
         lf, cal = cfg.loss_fn, cfg.calibration
         self.clip_low, self.clip_high = 1.0 - lf.ratio_clip_min, 1.0 + lf.ratio_clip_max
@@ -174,6 +160,30 @@ class PolicyWorker:
         # a real run
         self.hooks = hooks
 
+
+    def _build_model(self):
+        """The policy model in FP32: loaded onto the device, or on a data-parallel rank built on the meta device (its
+        shard is materialized by :meth:`_shard`)."""
+        from transformers import AutoModelForCausalLM
+
+        if self.dp.active:
+            from trainer.dp import build_on_meta
+
+            return build_on_meta(self.model_dir)
+        return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
+
+    def _shard(self) -> None:
+        """Join the group, shard the (meta-built, converted) policy and reference models and fill this rank's
+        shards from the checkpoint (trainer/dp.py)."""
+        from trainer.dp import init_group, materialize_shards, shard_model
+
+        init_group(self.dp, self.device)
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                shard_model(model, self.device)
+                materialize_shards(model, self.model_dir, self.device)
+        if self.bf16_emulation is not None:  # no rounded copy of a gathered weight (trainer/dp.py)
+            self.bf16_emulation.cache_weights = False
     def _optimizer(self):
         """AdamW over the (sharded) masters and its LR schedule (``policy.optimizer``, ``policy.scheduler``)."""
         p = self.cfg.policy
