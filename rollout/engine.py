@@ -279,7 +279,7 @@ class RolloutWorker:
 
     def _fp8_saw_nonfinite(self) -> bool:
         """Whether the engine's FP8 layers met non-finite activations since the last call (they give NaN and set the
-        device's flag instead of raising: rollout/vllm_fp8.py); clears the flag. Reads the device."""
+        device's flag instead of raising: rollout/engine_ops.py); clears the flag. Reads the device."""
         if self.fp8 is None:
             return False
         from fp8core.quant import nonfinite_seen

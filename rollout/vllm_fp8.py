@@ -27,11 +27,12 @@ What it does per linear layer (``LinearBase``: qkv_proj, o_proj, gate_up_proj, d
   tensorwise   one scale per partition (= per HF tensor)      ``[num_partitions]`` (vLLM's per-tensor FP8 layout
                                                               before it requantizes fused layers to one max)
   ===========  =============================================  ======================================================
-* ``apply``: ``fp8core.linear.fp8_linear_forward(x, weight_q_i, bias_i, recipe=recipe, pow2_activation=...)`` per
-  partition, concatenated along the output dim: activations quantized E4M3 at run time with the recipe's activation
-  granularity (1x128 groups per token / one scale per token / one scale per tensor), FP32 accumulation, BF16 out.
-  Per partition because the trainer runs q/k/v (and gate/up) as separate GEMMs: same operands, same per-output-column
-  dot products.
+* ``apply``: one call of the engine's op ``fp8core_engine::linear`` (rollout/engine_ops.py: compilable), which runs
+  ``Fp8CoreLinearMethod.forward``: the activation quantized E4M3 once at run time with the recipe's activation
+  granularity (1x128 groups per token / one scale per token / one scale per tensor), then the backend's GEMMs over
+  the partitions (side by side on the CPU op and the emulation, one per partition on scaled_mm), FP32 accumulation,
+  BF16 out. The trainer runs q/k/v (and gate/up) as separate GEMMs: same operands, same per-output-column dot
+  products.
 
 Identity with the trainer: the engine's FP8 weights after refit equal the trainer's ``FP8Linear.quantized_weight()``
 bit for bit, and for the same input tensor the engine's linear outputs equal the trainer's (tested per recipe). For
@@ -60,8 +61,9 @@ staging as the layer's parameters (the FP32 staging exists only while a layer lo
 emulation or scaled_mm) -- the trainer's loop and GEMMs.
 The router (``mlp.gate``, a vLLM linear) is never quantized: :class:`Fp32GateLinearMethod` keeps its weight in FP32
 and returns FP32 logits, which vLLM's CPU router turns into top-k exactly as :func:`fp8core.moe.route` does. The
-experts of BF16-kept layers use rollout/vllm_bf16.py's experts method (vLLM's own CPU MoE does not survive a refit). Optionally (``record_routing``) the method keeps the
-last forward's ``topk_ids`` per layer (routing replay, rollout/routing.py).
+experts of BF16-kept layers use rollout/vllm_bf16.py's experts method (vLLM's own CPU MoE does not survive a
+refit). Both experts methods run through the engine's op ``fp8core_engine::experts``. Optionally
+(``record_routing``) the method keeps the last forward's ``topk_ids`` per layer (routing replay, rollout/routing.py).
 
 Configuration travels inside the HF config (``hf_overrides={"quantization_config": quantization_config_dict(...)}``)
 with ``quantization="fp8core"``; importing this module registers the method (in-process engines only: with
@@ -345,8 +347,9 @@ def _tensors(value) -> list[torch.Tensor]:
 def fp8_layer_memory(model: torch.nn.Module) -> dict:
     """What the engine's FP8 layers hold: ``fp8_params`` (their weights' element count), ``bytes`` (every tensor
     they hold -- parameters, buffers and the method's own tensors: codes, scales, packed weights, dequantized
-    copies -- each storage counted once), ``layers`` and their GEMM ``backends``. ``bytes / fp8_params`` is ~1 (codes + scales) on the
-    scaled_mm path, 1 + 2 (or + 4 without BF16 units) with the CPU op's packed copy, 5 when emulating."""
+    copies -- each storage counted once), ``layers`` and their GEMM ``backends``. ``bytes / fp8_params`` is ~1
+    (codes + scales) on the scaled_mm path, 1 + 2 (or + 4 without BF16 units) with the CPU op's packed copy, 5 when
+    emulating."""
     fp8_params = nbytes = layers = 0
     backends = set()
     for m in model.modules():

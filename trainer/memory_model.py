@@ -148,8 +148,9 @@ def predict_peak(shape: ModelShape, *, world: int, micro_batch_tokens: int, micr
     """The terms (bytes) of one rank's steady-state peak above its baseline and their ``total``.
 
     ``fp8``: None (no FP8 linears), ``"emulated"`` (FP8 codes computed in FP32: the CPU's trainer) or ``"native"``
-    (FP8 GEMMs: codes only). ``autocast``: the forward runs under BF16 autocast (module docstring). ``micro_batch_tokens``: rows x padded length of one training micro-batch;
-    ``micro_batches``: how many one update runs on this rank."""
+    (FP8 GEMMs: codes only). ``autocast``: the forward runs under BF16 autocast (module docstring).
+    ``micro_batch_tokens``: rows x padded length of one training micro-batch; ``micro_batches``: how many one update
+    runs on this rank."""
     if world < 1 or micro_batch_tokens < 0 or micro_batches < 1:
         raise ValueError(f"world >= 1, micro_batch_tokens >= 0 and micro_batches >= 1 required, got {world}, "
                          f"{micro_batch_tokens}, {micro_batches}")
