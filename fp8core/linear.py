@@ -80,6 +80,7 @@ __all__ = [
     "fp8_linear",
     "fp8_linear_forward",
     "fp8_linear_forward_cpu",
+    "fp8_linear_forward_partitions",
     "pack_weight",
     "fp8_linear_forward_emulated",
     "fp8_mm",
@@ -190,7 +191,6 @@ def fp8_linear_forward(x: torch.Tensor, weight_q: QuantizedTensor, bias: torch.T
     if weight_q.data.dim() != 2 or x.shape[-1] != weight_q.data.shape[1]:
         raise ValueError(f"fp8_linear_forward: x of shape {tuple(x.shape)} does not match weight_q of shape "
                          f"{tuple(weight_q.shape)} (need x[..., K] and weight [N, K])")
-    k, n = weight_q.data.shape[1], weight_q.data.shape[0]
     backend = resolve_backend(backend, x.device)
     if backend == "emulated":
         return fp8_linear_forward_emulated(x, dequantize(weight_q) if weight_dq is None else weight_dq, bias,
@@ -198,11 +198,22 @@ def fp8_linear_forward(x: torch.Tensor, weight_q: QuantizedTensor, bias: torch.T
     if backend == "cpu":
         return fp8_linear_forward_cpu(x, pack_weight(weight_q, recipe), bias, recipe=recipe,
                                       pow2_activation=pow2_activation)
-    x_q = quantize(x.reshape(-1, k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
-    y = fp8_mm(x_q, weight_q, backend=backend)
+    return fp8_linear_forward_partitions(x, [weight_q], bias, recipe=recipe, pow2_activation=pow2_activation,
+                                         backend=backend)
+
+
+def fp8_linear_forward_partitions(x: torch.Tensor, parts: list[QuantizedTensor], bias: torch.Tensor | None = None, *,
+                                  recipe: str, pow2_activation: bool, backend: str) -> torch.Tensor:
+    """:func:`fp8_linear_forward`'s GEMM path (``fp8_mm``: scaled_mm, or the CPU op / emulation on codes) for a
+    weight in partitions side by side along N (q/k/v, gate/up, each quantized on its own; one partition for a plain
+    linear): ``x`` quantized once, one GEMM per partition -- the shapes of separate linears, so the same kernels --
+    their FP32 outputs side by side, + bias in FP32, in x's dtype."""
+    x_q = quantize(x.reshape(-1, x.shape[-1]), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_activation)
+    ys = [fp8_mm(x_q, w, backend=backend) for w in parts]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
 def pack_weight(weight_q: QuantizedTensor | list[QuantizedTensor], recipe: str) -> gemm.PackedWeight:

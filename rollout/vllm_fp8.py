@@ -83,11 +83,10 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from configs.schema import FP8_RECIPE_KEYS, fp8_spec_from_keys, fp8_spec_keys
 from fp8core.linear import (
-    ACT_GRANULARITY,
     fp8_linear_forward,
     fp8_linear_forward_cpu,
     fp8_linear_forward_emulated,
-    fp8_mm,
+    fp8_linear_forward_partitions,
     pack_weight,
     resolve_backend,
 )
@@ -324,12 +323,8 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
         if layer.fp8core_backend == "emulated":
             return fp8_linear_forward_emulated(x, layer.fp8core_weight_dq, bias, recipe=recipe,
                                                pow2_activation=pow2_act)
-        k = x.shape[-1]
-        x_q = quantize(x.reshape(-1, k), ACT_GRANULARITY[recipe], fmt="e4m3", pow2=pow2_act)
-        y = torch.cat([fp8_mm(x_q, wq, backend=layer.fp8core_backend) for wq in self.partitions(layer)], dim=-1)
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        return fp8_linear_forward_partitions(x, self.partitions(layer), bias, recipe=recipe, pow2_activation=pow2_act,
+                                             backend=layer.fp8core_backend)
 
 
 # --------------------------------------------------------------------------------------------------- memory

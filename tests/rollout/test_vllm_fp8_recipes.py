@@ -156,7 +156,7 @@ def test_scaled_mm_engine_layer_quantizes_its_input_once_and_equals_the_trainer(
     partitions, runs one GEMM per partition (the trainer's shapes, so the same kernels) and returns the trainer's
     separate FP8Linear outputs bit for bit; on the meta device its whole forward runs, so it reads nothing back to
     the host (which a CUDA graph would not allow)."""
-    import rollout.vllm_fp8 as vf
+    import fp8core.linear as fl
     from fp8core.linear import ACT_GRANULARITY
 
     gen = torch.Generator().manual_seed(4)
@@ -168,8 +168,8 @@ def test_scaled_mm_engine_layer_quantizes_its_input_once_and_equals_the_trainer(
     method.process_weights_after_loading(layer)
     assert layer.fp8core_backend == "scaled_mm" and layer.fp8core_packed is None and layer.fp8core_weight_dq is None
     seen = []
-    real = vf.quantize
-    monkeypatch.setattr(vf, "quantize", lambda v, gran, **kw: seen.append(gran) or real(v, gran, **kw))
+    real = fl.quantize  # where the layer's forward quantizes (fp8core.linear.fp8_linear_forward_partitions)
+    monkeypatch.setattr(fl, "quantize", lambda v, gran, **kw: seen.append(gran) or real(v, gran, **kw))
     engine = method.apply(layer, x)
     assert seen == [ACT_GRANULARITY[recipe]]
     cfg = FP8LinearConfig(recipe=recipe, backend="scaled_mm")
