@@ -3,7 +3,7 @@ group (gloo on CPU, NCCL on GPU), the model sharded with torch's FSDP2 ``fully_s
 root): each rank holds 1/M of the FP32 masters, of the gradients and of the AdamW state.
 
 A rank never holds the whole model: it builds the model on the meta device, converts and shards it, then
-allocates and fills only its own shard from the checkpoint, one tensor at a time (:func:`build_on_meta`,
+allocates and fills only its own shard from the checkpoint, one tensor at a time (:func:`load_model`,
 :func:`materialize_shards`).
 
 How the trainer uses it (trainer/policy.py) -- per-layer, as FSDP is meant to run: a decoder layer's full weights
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["DPGroup", "Rendezvous", "build_on_meta", "materialize_shards", "init_group", "checkpoint_layers", "shard_model", "fsdp_modules", "per_layer_no_grad", "equal_count", "gathered_units", "all_sum", "all_min", "gather_objects", "full_tensor", "longest_first_batches",
+__all__ = ["DPGroup", "Rendezvous", "load_model", "materialize_shards", "init_group", "checkpoint_layers", "shard_model", "fsdp_modules", "per_layer_no_grad", "equal_count", "gathered_units", "all_sum", "all_min", "gather_objects", "full_tensor", "longest_first_batches",
            "share_batches", "clip_grad_norm"]
 
 
@@ -187,20 +187,23 @@ def shard_model(model: nn.Module, device: torch.device) -> None:
             m.weight_cache = None  # fp8core.linear.FP8Linear: quantize per use, keep no copy
 
 
-def build_on_meta(model_dir) -> nn.Module:
-    """The model of ``model_dir`` (its ``config.json``) built on the meta device: no weight is allocated anywhere.
-    A data-parallel rank converts it (FP8 linears, routers, checkpointing) and shards it like a loaded model, then
-    :func:`materialize_shards` allocates and fills only its own shard."""
+def load_model(model_dir, device: torch.device, group: DPGroup) -> nn.Module:
+    """The FP32 model of ``model_dir`` for a trainer: loaded onto ``device``, or, on a data-parallel rank, built on
+    the meta device (its config only, no weight allocated anywhere) to be converted (FP8 linears, routers,
+    checkpointing) and sharded like a loaded model before :func:`materialize_shards` allocates and fills only this
+    rank's shard."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if not group.active:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def materialize_shards(model: nn.Module, model_dir, device: torch.device) -> None:
-    """Allocate a sharded meta-built model (:func:`build_on_meta`, then :func:`shard_model`) on ``device`` and fill
-    it from ``model_dir``'s safetensors: each checkpoint tensor is read on the host one at a time and this rank keeps
+    """Allocate a sharded meta-built model (:func:`load_model`, then :func:`shard_model`) on ``device`` and fill it
+    from ``model_dir``'s safetensors: each checkpoint tensor is read on the host one at a time and this rank keeps
     its shard of it (FSDP2's dim-0 chunk); non-persistent buffers (rotary frequencies) are computed again by their
     module's class from the model config. A rank so holds its shard + one full tensor, never the whole model."""
     from pathlib import Path
@@ -208,33 +211,33 @@ def materialize_shards(model: nn.Module, model_dir, device: torch.device) -> Non
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    where = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            where.update(dict.fromkeys(st.keys(), f))
-
-    def read(key: str) -> torch.Tensor:
-        with safe_open(str(where[key]), framework="pt") as st:
-            return st.get_tensor(key)
-
-    model.to_empty(device=device)
-    state = model.state_dict()
-    params = {id(p): n for n, p in model.named_parameters()}  # tied weights: one name per Parameter
-    missing = [k for k in state if k in params.values() and k not in where and _fused_experts(k, where) is None]
-    if missing:
-        raise ValueError(f"{model_dir}: the checkpoint lacks {missing[:3]} (of {len(missing)})")
+    with contextlib.ExitStack() as files:  # each checkpoint file opened once
+        where = {}
+        for f in sorted(Path(model_dir).glob("*.safetensors")):
+            st = files.enter_context(safe_open(str(f), framework="pt"))
+            where.update(dict.fromkeys(st.keys(), st))
+        model.to_empty(device=device)
+        state = model.state_dict()
+        # per state entry, its checkpoint tensors: [[name]], per-expert parts of a fused experts tensor, or None (a
+        # tied alias's second name, a non-persistent buffer)
+        sources = {name: [[name]] if name in where else _fused_experts(name, where) for name in state}
+        missing = [n for n, _ in model.named_parameters() if sources.get(n) is None]  # one name per Parameter
+        if missing:
+            raise ValueError(f"{model_dir}: the checkpoint lacks {missing[:3]} (of {len(missing)})")
+        with torch.no_grad():
+            for name, t in state.items():
+                parts = sources[name]
+                if parts is None:
+                    continue
+                full = (where[name].get_tensor(name) if name in where else
+                        torch.stack([torch.cat([where[k].get_tensor(k) for k in keys]) for keys in parts]))
+                full = full.to(device=device, dtype=t.dtype)
+                if isinstance(t, DTensor):
+                    shard = distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local()
+                    t.to_local().copy_(shard)
+                else:
+                    t.copy_(full)
     with torch.no_grad():
-        for name, t in state.items():
-            parts = _fused_experts(name, where) if name not in where else None
-            if name not in where and parts is None:
-                continue  # a tied alias or a non-persistent buffer
-            full = read(name) if parts is None else torch.stack([torch.cat([read(k) for k in ks]) for ks in parts])
-            full = full.to(device=device, dtype=t.dtype)
-            if isinstance(t, DTensor):
-                t.to_local().copy_(distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None).to_local())
-            else:
-                t.copy_(full)
         for module in model.modules():
             names = [b for b in module._buffers if b in module._non_persistent_buffers_set]
             if not names:

@@ -21,17 +21,12 @@ def reference_model(worker):
     """The reference policy of the KL term: the initial policy (``policy.model_name``), built as the policy is
     (FP32 masters, the recipe's FP8 linears), frozen and in eval mode. Not with MoE models (their routing replay
     and routing counts are the policy's)."""
-    from transformers import AutoModelForCausalLM
+    from trainer.dp import load_model
 
     if worker.moe_layers:
         raise ValueError("loss_fn.reference_policy_kl_penalty: a reference-policy KL term is not supported for "
                          "MoE models (routing replay covers the policy only); set it to 0")
-    if worker.dp.active:  # sharded and materialized like the policy (trainer.dp.materialize_shards)
-        from trainer.dp import build_on_meta
-
-        ref = build_on_meta(worker.model_dir)
-    else:
-        ref = AutoModelForCausalLM.from_pretrained(worker.model_dir, dtype=torch.float32).to(worker.device)
+    ref = load_model(worker.model_dir, worker.device, worker.dp)  # on a rank: sharded and filled like the policy
     ref.config.use_cache = False
     if worker.fp8_spec is not None:
         worker.fp8_spec.convert(ref)

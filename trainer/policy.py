@@ -45,7 +45,7 @@ from storage.hub import local_model_dir
 from trainer.batch import Batch, use_packed_attention
 from trainer.calibration import calibrate_clip, calibrate_kv
 from trainer.checkpoint_io import full_state, read_checkpoint, write_checkpoint
-from trainer.dp import DPGroup
+from trainer.dp import DPGroup, load_model
 from trainer.forward import token_logp
 from trainer.logprobs import no_grad_logprobs, reference_model, score_rollouts, shadow_logprobs
 from trainer.memory import HEAP_ENV, HEAP_POLICIES
@@ -113,7 +113,7 @@ class PolicyWorker:
         self.bf16_emulation = BF16Emulation() if self.bf16_mode == "emulated" else None
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.dp = dp or DPGroup()
-        self.model = self._build_model()
+        self.model = load_model(self.model_dir, self.device, self.dp)  # a rank: meta-built, its shard filled below
         self.model.config.use_cache = False
         from fp8core.moe import convert_routers
 
@@ -160,17 +160,6 @@ class PolicyWorker:
         # a real run
         self.hooks = hooks
 
-
-    def _build_model(self):
-        """The policy model in FP32: loaded onto the device, or on a data-parallel rank built on the meta device (its
-        shard is materialized by :meth:`_shard`)."""
-        from transformers import AutoModelForCausalLM
-
-        if self.dp.active:
-            from trainer.dp import build_on_meta
-
-            return build_on_meta(self.model_dir)
-        return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(self.device)
 
     def _shard(self) -> None:
         """Join the group, shard the (meta-built, converted) policy and reference models and fill this rank's

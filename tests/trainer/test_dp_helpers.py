@@ -148,11 +148,11 @@ def _meta_built_rank(rank: int, world: int, store: str, model_dir: str, out: str
     """One rank of :func:`test_a_meta_built_rank_materializes_only_its_shard` (a spawned process)."""
     import torch.distributed as dist
 
-    from trainer.dp import build_on_meta, full_tensor, materialize_shards, shard_model
+    from trainer.dp import DPGroup, full_tensor, load_model, materialize_shards, shard_model
 
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{store}")
     try:
-        model = _as_the_trainer_converts(build_on_meta(model_dir))
+        model = _as_the_trainer_converts(load_model(model_dir, torch.device("meta"), DPGroup(rank, world)))
         on_meta = all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
         shard_model(model, torch.device("cpu"))
         materialize_shards(model, model_dir, torch.device("cpu"))
