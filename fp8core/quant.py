@@ -277,7 +277,8 @@ def record_nonfinite(device: torch.device | str, seen: torch.Tensor | bool = Tru
 
 
 def nonfinite_seen(device: torch.device | str) -> bool:
-    """Whether :func:`quantize_on_device` saw non-finite input on ``device`` since the last call, and clear the flag.
+    """Whether non-finite input was recorded on ``device`` since the last call (by :func:`quantize_on_device`, or a
+    caller's :func:`record_nonfinite`), and clear the flag.
     Reads the device (a synchronization): call it where the caller synchronizes anyway. False on the meta device."""
     device = torch.device(device)
     flag = _NONFINITE.get(device)
