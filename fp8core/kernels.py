@@ -19,7 +19,9 @@ live, so checkouts sharing the cache do not rebuild each other's): a cache share
 for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno -fopenmp`` and without ``-ffast-math`` (which
 would change the rounding); OpenMP because ATen's ``parallel_for`` opens its parallel region in the extension's own
 code (without it every kernel ran on one thread: :func:`parallel_width` tells). Build directory: :func:`build_root`.
-The first build takes ~30 s on a 2-core machine; later loads, in any process, ~0.1 s. A builder killed mid-load (torch
+The sources include ATen's and the operator library's headers only (not torch/extension.h, which tripled each
+file's compile time): the first build takes ~15 s on one core; later loads, in any process, ~0.1 s. The build is a
+plain library of operators: :func:`load` returns ``torch.ops.fp8core``. A builder killed mid-load (torch
 keeps a ``lock`` file while it loads, even with nothing to rebuild) does not make later processes wait forever: see
 :func:`_build_lock`.
 """
@@ -88,7 +90,7 @@ def no_kernel_reason() -> str | None:
 
 
 def load():
-    """The compiled module, or None when the torch path is to be used (mode ``torch``, or ``auto`` where the build
+    """The compiled operators (``torch.ops.fp8core``), or None when the torch path is to be used (mode ``torch``, or ``auto`` where the build
     failed). Thread-safe; builds at most once per process."""
     with _lock:
         if "module" in _state:
@@ -130,9 +132,10 @@ def _build():
     name = bdir.name
     bdir.mkdir(parents=True, exist_ok=True)
     with _build_lock(bdir):
-        mod = load_ext(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=[*_BASE_CFLAGS, *flags],
-                       extra_ldflags=["-fopenmp"], build_directory=str(bdir), verbose=False)
-    return mod, f"{kind} build {' '.join(flags) or '(generic x86-64)'}"
+        # a plain library of operators (no Python module): torch loads it and its ops appear under torch.ops.fp8core
+        load_ext(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=[*_BASE_CFLAGS, *flags],
+                 extra_ldflags=["-fopenmp"], build_directory=str(bdir), verbose=False, is_python_module=False)
+    return torch.ops.fp8core, f"{kind} build {' '.join(flags) or '(generic x86-64)'}"
 
 
 @contextlib.contextmanager

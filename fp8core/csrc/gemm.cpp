@@ -17,7 +17,8 @@
 // Padding: each block is padded with zero codes to an even length (AVX-512 BF16 pairs); N to the lane width.
 #include "quant.h"
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>

@@ -16,7 +16,7 @@
 // normals, |value| / 2**min_exp for subnormals -- the byte torch's cast writes for the same value.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cmath>
 #include <cstdint>
