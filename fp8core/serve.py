@@ -21,9 +21,22 @@ from torch import nn
 from fp8core.linear import FP8Linear, WeightCache
 from fp8core.moe import PARTS, FP8Experts, FP32Router, checkpoint_state_dict
 
-__all__ = ["SCALE_SUFFIX", "served_state_dict"]
+__all__ = ["SCALE_SUFFIX", "served_recipes", "served_state_dict"]
 
 SCALE_SUFFIX = "_scale_inv"  # <module>.weight -> <module>.weight_scale_inv
+
+
+def served_recipes(model: nn.Module) -> tuple[dict[str, object], set[str]]:
+    """``(recipes, fp32)``: the FP8 recipe (``FP8LinearConfig``) of every served name that is FP8 -- each FP8Linear's
+    ``<module>.weight``, each FP8Experts' per-expert checkpoint names -- and the names served in FP32 (MoE routers);
+    every other name is served in the high-precision dtype."""
+    recipes = {f"{name}.weight": m.config for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Experts) and m.config is not None:
+            recipes.update({f"{name}.{e}.{part}_proj.weight": m.config
+                            for e in range(m.num_experts) for part in PARTS})
+    fp32 = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, FP32Router)}
+    return recipes, fp32
 
 
 @torch.no_grad()
@@ -34,12 +47,7 @@ def served_state_dict(model: nn.Module, *, hp_dtype: torch.dtype = torch.bfloat1
     full weights gathered to one rank, trainer/dp.py). The codes are quantized from the state's tensors with each
     layer's own recipe (the layer's ``quantized_weight()`` of the same values), so a sharded model's layers need
     not be gathered."""
-    recipes = {f"{name}.weight": m.config for name, m in model.named_modules() if isinstance(m, FP8Linear)}
-    for name, m in model.named_modules():
-        if isinstance(m, FP8Experts) and m.config is not None:
-            recipes.update({f"{name}.{e}.{part}_proj.weight": m.config
-                            for e in range(m.num_experts) for part in PARTS})
-    fp32 = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, FP32Router)}
+    recipes, fp32 = served_recipes(model)
     out: dict[str, torch.Tensor] = {}
     for name, t in checkpoint_state_dict(model.state_dict() if state is None else state).items():
         config = recipes.get(name)
