@@ -421,6 +421,10 @@ class ClusterCfg:
     # whose refit or rollout it broke waits for the new engine and redoes refit + rollout (same seeds, so the same
     # samples). 0: a dead engine fails the run. A dead trainer always stops the run (resume from the last checkpoint).
     rollout_max_restarts: int = 2
+    # how a refit reaches the engines: "collective" -- each trainer rank sends its own shard, one decoder layer at a
+    # time, over a process group of the trainer ranks and the engines (gloo on CPU, NCCL on GPUs), into the engines'
+    # parameters; "object_store" -- the whole served state gathered to rank 0 and fetched by each engine through Ray
+    refit_transport: Literal["collective", "object_store"] = "collective"
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     # pin each worker to its own CPUs (trainer ranks first, policy.threads each, then the engines, vllm_cfg.threads
     # each), so that a rollout and a training step running at the same time (grpo.async_grpo) do not share cores;

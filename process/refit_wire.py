@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 __all__ = ["Piece", "RefitGroup", "open_store", "join", "send", "receive", "checksum", "assemble", "manifest_error",
-           "pieces_by_name"]
+           "pieces_by_name", "node_ip"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
                                                       torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -79,6 +79,18 @@ class RefitGroup:
     @property
     def is_sender(self) -> bool:
         return self.rank < self.senders
+
+
+def node_ip() -> str:
+    """This process's address for the group's connections: the Ray node's IP inside a Ray worker, else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
 
 
 def open_store(host: str, world: int, timeout_s: float):
@@ -222,17 +234,20 @@ def _verdicts(group: RefitGroup, error: str | None, what: str) -> None:
         raise RuntimeError(f"refit: {what} refused by {names} (see that member's error)")
 
 
-def send(group: RefitGroup, manifest: list[list[Piece]], buckets: Callable[[int], Sequence[torch.Tensor]]) -> dict:
+def send(group: RefitGroup, manifest: list[list[Piece]], buckets: Callable[[int], Sequence[torch.Tensor]], *,
+         error: str | None = None) -> dict:
     """The sender's side of one refit: ``manifest`` (a list of buckets of pieces) and ``buckets(i)``, the tensors of
-    bucket ``i``'s pieces in order (computed when their turn comes: one bucket at a time). Returns
-    ``{"bytes": payload bytes this sender broadcast, "buckets": count}``."""
+    bucket ``i``'s pieces in order, computed at the start of bucket ``i`` on every sender at once (it may run
+    collectives of the senders' own group) and dropped after it: one bucket at a time. ``error``: this sender's
+    refusal (one line), raised on every member in the verdict round. Returns ``{"bytes": payload bytes this sender
+    broadcast, "buckets": count}``."""
     manifests = _exchange_manifests(group, manifest)
-    _verdicts(group, manifest_error(manifests), "the manifest")
+    _verdicts(group, error or manifest_error(manifests), "the manifest")
     sent = 0
     for b in range(len(manifest)):
+        tensors = buckets(b)
         for src in range(group.senders):
             if src == group.rank:
-                tensors = buckets(b)
                 pieces = manifest[b]
                 if len(tensors) != len(pieces):
                     raise ValueError(f"refit bucket {b}: {len(tensors)} tensors for {len(pieces)} pieces")
@@ -250,6 +265,7 @@ def send(group: RefitGroup, manifest: list[list[Piece]], buckets: Callable[[int]
                 buf = torch.empty(_layout(manifests[src][b])[1] + 8, dtype=torch.uint8, device=group.device)
             _broadcast(group, buf, src)
             del buf
+        del tensors
     _verdicts(group, None, "the loading of the refit")
     return {"bytes": sent, "buckets": len(manifest)}
 

@@ -114,3 +114,43 @@ def check_fp8_weight(name: str, data: torch.Tensor, scale, fp8_spec) -> None:
         raise ValueError(f"refit weights[{name!r}] has NaN codes")
     if not (bool(torch.isfinite(scale).all()) and bool((scale > 0).all())):
         raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] must be finite and > 0")
+
+
+def check_refit_manifest(pieces_by_name: Mapping[str, list], *, param_shapes: Mapping[str, tuple[int, ...]],
+                         master_names: set[str], fp8_weight_names: set[str], fp8_spec, precision: str) -> str | None:
+    """The refit wire's counterpart of :func:`check_refit_weights`, on the senders' manifests before any byte
+    moves (``process.refit_wire.Piece`` per name): the same names, shapes and dtypes, or the one-line reason to
+    refuse. The values are checked where they are made (the trainer refuses a non-finite weight up front) and on the
+    wire by each bucket's checksum."""
+    from fp8core.quant import _scale_shape
+
+    names = set(pieces_by_name)
+    fp8 = any(n.endswith(SCALE_SUFFIX) for n in names)
+    if fp8 and not fp8_weight_names:
+        return ("refit weights carry FP8 scales (weight_scale_inv) but this engine has no FP8 layers "
+                f"(policy.generation.vllm_cfg.precision={precision!r}); send high-precision weights")
+    expected = master_names | ({n + SCALE_SUFFIX for n in fp8_weight_names} if fp8 else set())
+    if unknown := sorted(names - expected):
+        return f"refit weights has names the model does not have: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+    if missing := sorted(expected - names):
+        return (f"refit weights lacks {len(missing)} parameters (a refit must be complete): "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for name in sorted(names):
+        piece = pieces_by_name[name][0]
+        shape, dtype = tuple(piece.whole_shape), piece.dtype
+        if name.endswith(SCALE_SUFFIX):
+            weight = name[:-len(SCALE_SUFFIX)]
+            want = tuple(_scale_shape(param_shapes[weight], fp8_spec.weight_granularity))
+            if dtype != "float32" or shape != want:
+                return (f"refit weights[{name!r}] ({fp8_spec.recipe}) is {dtype} {shape}, the engine expects "
+                        f"float32 {want}")
+            continue
+        if shape != tuple(param_shapes[name]):
+            return f"refit weights[{name!r}] has shape {shape}, the model expects {tuple(param_shapes[name])}"
+        if fp8 and name in fp8_weight_names:
+            if dtype not in ("uint8", "float8_e4m3fn"):
+                return f"refit weights[{name!r}] has dtype {dtype}; an FP8 refit sends float8_e4m3fn codes (as bytes)"
+        elif dtype not in ("float32", "bfloat16", "float16"):
+            return (f"refit weights[{name!r}] has dtype {dtype}; pass BF16/FP16/FP32 master weights"
+                    + (" (FP8 codes only for the FP8 layers' weights)" if fp8 else ""))
+    return None

@@ -59,7 +59,7 @@ from configs.schema import Config
 from fp8core.cpu import cpu_caps_dict, usable_threads
 from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
 from process.env import apply_env
-from rollout.checkpoint import _checkpoint_shapes, _read_model_config, check_refit_weights
+from rollout.checkpoint import _checkpoint_shapes, _read_model_config, check_refit_manifest, check_refit_weights
 from rollout.emulation import _eager_token_ranks, _install_kv_emulation
 from rollout.kv_cache import (
     _attention_layer_names,
@@ -441,6 +441,68 @@ class RolloutWorker:
         self._weights_version = weights_version
         self._last_refit_s = time.perf_counter() - t0
         return self._last_refit_s
+
+    # ------------------------------------------------------------------ refit over the wire
+    def refit_join(self, address: str, *, rank: int, world: int, senders: int, generation: int,
+                   timeout_s: float) -> int:
+        """Join refit group ``generation`` (process.refit_wire) as member ``rank``; returns the generation."""
+        from process.refit_wire import join, node_ip
+
+        self._refit_group = None
+        self._refit_group = join(address, rank=rank, world=world, senders=senders, generation=generation,
+                                 timeout_s=timeout_s, device=self._wire_device(), host=node_ip())
+        return generation
+
+    def refit_generation(self) -> int | None:
+        """The refit group this engine is in (None: none, e.g. after Ray restarted it)."""
+        group = getattr(self, "_refit_group", None)
+        return None if group is None else group.generation
+
+    def refit_from_wire(self, kv_scales: Mapping | None = None, *, weights_version: int | None = None) -> dict:
+        """:meth:`refit` with the weights from the trainer ranks over the refit group (process.refit_wire.receive),
+        loaded bucket by bucket as they arrive into the engine's parameters in place. The manifests are checked
+        as :meth:`refit` checks a dict (rollout.checkpoint.check_refit_manifest), and the KV scales and version
+        likewise, before any payload moves; a refused refit fails on every member with this engine's line. Returns
+        ``{"seconds", "bytes", "buckets"}``."""
+        from process.refit_wire import pieces_by_name, receive
+
+        group = getattr(self, "_refit_group", None)
+        if group is None:
+            raise RuntimeError("refit: this engine is in no refit group (refit_join first)")
+        try:
+            scales = check_kv_scales(kv_scales, self.num_layers) if kv_scales is not None else self._kv_scales
+            check_kv_version(scales, weights_version, self.kv_scales_max_lag)
+            early = None
+        except ValueError as e:
+            scales, early = None, str(e)
+        skip = self.hooks is not None and self.hooks.skip_refit(weights_version)  # TEST-ONLY: a missed refit
+        fp8_names = self.fp8_weight_names
+
+        def verdict(manifests) -> str | None:
+            return early or check_refit_manifest(
+                pieces_by_name(manifests), param_shapes=self.param_shapes, master_names=self.master_names,
+                fp8_weight_names=fp8_names, fp8_spec=self.fp8, precision=self.vllm.precision)
+
+        def load(items) -> None:
+            if skip:
+                return
+            self._weights_version = None  # until every bucket is in: a failed refit leaves no usable version
+            typed = ((n, t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 and n in fp8_names else t)
+                     for n, t in items)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": typed, "is_checkpoint_format": True})
+
+        t0 = time.perf_counter()
+        moved = receive(group, verdict, load)
+        if not skip:
+            if scales is not None:
+                self._apply_kv_scales(scales)
+            self.llm.reset_prefix_cache()
+            self._weights_version = weights_version
+        self._last_refit_s = time.perf_counter() - t0
+        return {"seconds": self._last_refit_s, **moved}
+
+    def _wire_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     @staticmethod
     def gather(*parts: list[dict]) -> list[dict]:

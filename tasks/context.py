@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from configs.base import collective_timeout_s
 from configs.schema import GenerationCfg
 from data.prompt import PromptFormat
 from process.faults import TestHooks
@@ -54,6 +55,8 @@ class RunContext:
     eval: EvalParams = EvalParams(n=0, ks=(), max_prompts=0, n_boot=2000)
     policy_ranks: tuple[str, ...] = ()  # every data-parallel trainer, rank 0 (``policy``) first; () = just ``policy``
     rollout_max_restarts: int = 0  # cluster.rollout_max_restarts: steps broken by a dead engine are redone this often
+    refit_transport: str = "collective"  # cluster.refit_transport: collective (the refit group) | object_store
+    collective_timeout_s: float = 60.0  # the trainers' collective timeout; also the refit group's
     hooks: TestHooks | None = None  # TEST-ONLY faults (process/faults.py): None unless testing.* keys are set
     # What the validation records go through before they are scored: as they are in a real run; TEST-ONLY
     # (testing.fault_val_accuracy_drop) the hooks' degradation, installed here so the validation task has no branch
@@ -84,4 +87,7 @@ class RunContext:
                    eval=EvalParams(n=ev.num_samples, ks=tuple(ev.pass_k), max_prompts=ev.sampled_max_prompts,
                                    n_boot=ev.bootstrap_samples, sets=tuple(ev.sampled_sets)),
                    rollout_max_restarts=cfg.cluster.rollout_max_restarts,
+                   refit_transport=cfg.cluster.refit_transport,
+                   collective_timeout_s=collective_timeout_s(cfg.cluster.collective_timeout_s,
+                                                             cfg.ray.policy_worker.num_gpus),
                    hooks=hooks, **({"validation_records": hooks.degrade} if hooks and hooks.val_accuracy_drop else {}))

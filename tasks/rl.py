@@ -40,24 +40,68 @@ def _fault_due(ctx: RunContext, what: str, step: int) -> bool:
 
 @task(name="refit", **TASK, retries=1, retry_delay_seconds=2)
 def refit(ctx: RunContext, kv_scales: dict | None = None) -> dict:
-    """Policy weights (+ the KV scales the flow hands over, computed by ``calibrate``) -> every rollout engine,
-    actor to actors through the object store: the policy's ``refit_weights`` result is one object that each engine
-    fetches (one put, N gets; nothing passes through the driver). Each engine records the policy step it loaded
-    (``refit/weights_version``; rollouts check it) and refuses KV scales staler than calibration.kv_scales_period
-    allows."""
+    """Policy weights (+ the KV scales the flow hands over, computed by ``calibrate``) -> every rollout engine.
+    Each engine records the policy step it loaded (``refit/weights_version``; rollouts check it) and refuses KV
+    scales staler than calibration.kv_scales_period allows.
+
+    ``cluster.refit_transport``: ``collective`` (default) -- every trainer rank sends from its own shard, one
+    decoder layer at a time, over a refit group of the trainer ranks and the engines (process.refit_wire; formed
+    again when a member restarted), into the engines' parameters; ``object_store`` -- the policy's
+    ``refit_weights`` (the whole served state, gathered to rank 0) is one Ray object each engine fetches."""
     from trainer.policy import PolicyWorker
 
     t0 = time.perf_counter()
     policy = actor(ctx.policy)
     version = get(policy.info.remote())["step"]  # the policy step of the weights (KV scales are checked against it)
-    # FP8 codes + scales for end-to-end FP8, else FP32 masters: data-parallel ranks gather them to rank 0 (all take
-    # part; the others return nothing)
-    weights, *others = policy_refs(ctx.trainers, PolicyWorker.refit_weights)
     scales = kv_scales if ctx.kv_fp8 else None
-    engine_s = get([actor(name).refit.remote(weights, scales, weights_version=version) for name in ctx.rollouts])
-    get(others)
-    return {"time/refit_s": time.perf_counter() - t0, "time/refit_engine_s": max(engine_s),
+    m: dict = {}
+    if ctx.refit_transport == "collective":
+        sent, got, gen = _refit_over_wire(ctx, scales, version)
+        engine_s = [g["seconds"] for g in got]
+        m["refit/bytes_sent"] = float(sum(x["bytes"] for x in sent))  # payload + checksums, all trainer ranks
+        m["refit/group_generation"] = float(gen)  # grows when the group formed again (a restarted member)
+    else:
+        # FP8 codes + scales for end-to-end FP8, else FP32 masters: data-parallel ranks gather them to rank 0 (all
+        # take part; the others return nothing)
+        weights, *others = policy_refs(ctx.trainers, PolicyWorker.refit_weights)
+        engine_s = get([actor(name).refit.remote(weights, scales, weights_version=version) for name in ctx.rollouts])
+        get(others)
+    return {**m, "time/refit_s": time.perf_counter() - t0, "time/refit_engine_s": max(engine_s),
             "time/refit_engine_mean_s": sum(engine_s) / len(engine_s), "refit/weights_version": float(version)}
+
+
+def _refit_over_wire(ctx: RunContext, scales: dict | None, version: int) -> tuple[list[dict], list[dict], int]:
+    """One refit over the refit group (forming it first where a member is in none or in another one): the
+    trainer ranks' and the engines' results, and the group's generation. A member that dies fails the others within the collective timeout;
+    its own death (Ray's actor error, naming it) is what is raised, so that the flow restarts a dead engine."""
+    from ray.exceptions import RayActorError
+
+    from trainer.policy import PolicyWorker
+
+    members = [*ctx.trainers, *ctx.rollouts]
+    gens = get(policy_refs(ctx.trainers, PolicyWorker.refit_generation)
+               + [actor(n).refit_generation.remote() for n in ctx.rollouts])
+    if None in gens or len(set(gens)) > 1:
+        gen = max((g for g in gens if g is not None), default=0) + 1
+        world, timeout = len(members), ctx.collective_timeout_s
+        address = get(actor(ctx.trainers[0]).refit_open_store.remote(world, timeout))
+        kw = dict(world=world, senders=len(ctx.trainers), generation=gen, timeout_s=timeout)
+        get([actor(n).refit_join.remote(address, rank=i, **kw) for i, n in enumerate(members)])
+    else:
+        gen = gens[0]
+    refs = (policy_refs(ctx.trainers, PolicyWorker.refit_to_wire)
+            + [actor(n).refit_from_wire.remote(scales, weights_version=version) for n in ctx.rollouts])
+    wait(refs)
+    errors = []
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - every member's outcome is read before one is raised
+            errors.append(e)
+    if errors:
+        raise next((e for e in errors if isinstance(e, RayActorError)), errors[0])
+    out = ray.get(refs)
+    return out[:len(ctx.trainers)], out[len(ctx.trainers):], gen
 
 
 @task(name="rollout", **TASK)

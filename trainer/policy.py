@@ -233,6 +233,56 @@ class PolicyWorker:
             return {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in served.items()}
         return self.weights()
 
+    # ------------------------------------------------------------------------------------------ refit over the wire
+    def refit_open_store(self, world: int, timeout_s: float) -> str:
+        """Rank 0: host a new store for a refit group of ``world`` members (process.refit_wire); its address."""
+        from process.refit_wire import node_ip, open_store
+
+        self._refit_store, address = open_store(node_ip(), world, timeout_s)
+        return address
+
+    def refit_join(self, address: str, *, rank: int, world: int, senders: int, generation: int,
+                   timeout_s: float) -> int:
+        """Join refit group ``generation`` as sender ``rank`` (this data-parallel rank); returns the generation."""
+        from process.refit_wire import join, node_ip
+
+        self._refit_group = None
+        self._refit_group = join(address, rank=rank, world=world, senders=senders, generation=generation,
+                                 timeout_s=timeout_s, device=self.device, host=node_ip(),
+                                 store=getattr(self, "_refit_store", None) if rank == 0 else None)
+        return generation
+
+    def refit_generation(self) -> int | None:
+        """The refit group this rank is in (None: none, e.g. after Ray restarted it)."""
+        group = getattr(self, "_refit_group", None)
+        return None if group is None else group.generation
+
+    def refit_to_wire(self) -> dict:
+        """Send what :meth:`refit_weights` would return, from this rank's shard, bucket by bucket over the refit
+        group (trainer.refit.ServedShard, process.refit_wire.send); every data-parallel rank calls it. Returns
+        ``{"seconds", "bytes", "buckets"}``."""
+        import time
+
+        from process.refit_wire import send
+        from trainer.refit import ServedShard
+
+        group = getattr(self, "_refit_group", None)
+        if group is None:
+            raise RuntimeError("refit: this trainer rank is in no refit group (refit_join first)")
+        t0 = time.perf_counter()
+        trainer, rollout = self.cfg.trainer_fp8_spec(), self.cfg.rollout_fp8_spec()
+        fp8 = trainer is not None and rollout is not None and trainer.forward_key() == rollout.forward_key()
+        reduce = None
+        if self.dp.active:
+            import torch.distributed as dist
+
+            def reduce(t: torch.Tensor) -> None:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with torch.no_grad():
+            shard = ServedShard(self.model, fp8=fp8, rank=self.dp.rank, world=self.dp.world, all_reduce_max=reduce)
+            moved = send(group, shard.manifest, shard.tensors, error=shard.error)
+        return {"seconds": time.perf_counter() - t0, **moved}
+
     # ---------------------------------------------------------------------------------------------------- logprobs
     def logprobs(self, b: Batch, *, want_entropy: bool = False, rows: torch.Tensor | None = None):
         """No-grad logprobs (FP32) and entropies (FP64) ``[B, L]`` of ``b`` (of ``b.slice(rows)`` when given);

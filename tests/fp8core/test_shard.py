@@ -18,9 +18,9 @@ SPLITS = [
 
 def _whole_from_shards(w, gran, sizes, pow2):
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    shards = [w[o:o + n] for o, n in zip(offsets, sizes)]
-    amax = torch.stack([shard_amax(s, gran, row_offset=o, rows=w.shape[0]) for s, o in zip(shards, offsets)]).amax(0)
-    parts = [quantize_shard(s, amax, gran, row_offset=o, rows=w.shape[0], pow2=pow2) for s, o in zip(shards, offsets)]
+    shards = [w[o:o + n] for o, n in zip(offsets, sizes, strict=True)]
+    amax = torch.stack([shard_amax(s, gran, row_offset=o, rows=w.shape[0]) for s, o in zip(shards, offsets, strict=True)]).amax(0)
+    parts = [quantize_shard(s, amax, gran, row_offset=o, rows=w.shape[0], pow2=pow2) for s, o in zip(shards, offsets, strict=True)]
     scales = [p[1] for p in parts]
     assert all(torch.equal(s, scales[0]) for s in scales)  # every holder computes the same whole scale
     return torch.cat([p[0] for p in parts]), scales[0]

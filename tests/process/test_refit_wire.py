@@ -14,6 +14,8 @@ import torch
 from process import refit_wire
 from process.refit_wire import Piece
 
+pytestmark = pytest.mark.slow  # four spawned processes per test
+
 W = torch.arange(300 * 16, dtype=torch.float32).reshape(300, 16) / 7  # sent in row pieces: rows [0, 150), [150, 300)
 CODES = torch.arange(64, dtype=torch.uint8).reshape(8, 8)  # a whole piece from sender 0
 NORM = torch.linspace(0, 1, 33).to(torch.bfloat16)  # a whole piece from sender 1

@@ -238,3 +238,73 @@ def test_one_recipe_builds_one_spec_on_both_sides(model_dir, tmp_path):
         engine.shutdown()
     assert {s for _, s in found} == {engine.fp8} and engine.fp8.forward_key() == spec.forward_key()
     assert {layer for layer, _ in found} == trainer_layers == set(spec.layer_indices(4))
+
+
+def _over_the_wire(policy, engine, kv_scales=None, weights_version=1) -> dict:
+    """The pipeline's refit over the refit group (tasks.rl's collective transport), with the trainer and the engine
+    in this process: each side's own methods, run at once in two threads (a group needs both members)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    address = policy.refit_open_store(2, 30)
+    kw = dict(world=2, senders=1, generation=1, timeout_s=30)
+    with ThreadPoolExecutor(2) as pool:
+        joins = [pool.submit(policy.refit_join, address, rank=0, **kw),
+                 pool.submit(engine.refit_join, address, rank=1, **kw)]
+        assert [j.result() for j in joins] == [1, 1]
+        sent = pool.submit(policy.refit_to_wire)
+        got = pool.submit(engine.refit_from_wire, kv_scales, weights_version=weights_version)
+        out = {}
+        for side, fut in (("trainer", sent), ("engine", got)):
+            try:
+                out[side] = fut.result()
+            except Exception as e:  # noqa: BLE001 - each side's outcome is asserted
+                out[side] = e
+    return out
+
+
+@pytest.mark.parametrize("recipe,pow2,first,last", [("blockwise", True, 1, 0), ("tensorwise", True, 1, 1)])
+def test_fp8_refit_over_the_wire_bit_identical_weights_and_outputs(model_dir, tmp_path, recipe, pow2, first, last):
+    """The collective transport (trainer.refit.ServedShard -> process.refit_wire -> RolloutWorker.refit_from_wire,
+    one decoder layer per bucket): after a real update the engine holds the trainer's quantization bit for bit
+    and its linears return the trainer's outputs, as over the object store."""
+    cfg = _cfg(tmp_path, recipe, pow2, first, last)
+    policy, engine = _trained_policy_and_engine(model_dir, cfg)
+    try:
+        out = _over_the_wire(policy, engine, weights_version=1)
+        assert out["engine"]["buckets"] == 5 and out["engine"]["bytes"] == out["trainer"]["bytes"], out  # 4 layers + rest
+        payload = sum(t.numel() * t.element_size() for t in policy.refit_weights().values())
+        assert payload <= out["trainer"]["bytes"] < 1.01 * payload  # the served state, plus alignment and checksums
+        _assert_engine_holds_trainer_fp8(policy, engine, first, last)
+        y_engine, y_trainer = _engine_vs_trainer_outputs(policy, engine, first)
+        assert torch.equal(y_engine, y_trainer)
+        assert engine.stats()["weights_version"] == 1
+    finally:
+        engine.shutdown()
+
+
+def test_a_refit_over_the_wire_refused_by_the_engine_loads_nothing(model_dir, tmp_path):
+    """Stale KV scales: the engine refuses in the verdict round, before any payload; the trainer learns which
+    member refused, and the engine keeps the weights and version it had."""
+    from rollout.engine import RolloutWorker
+    from trainer.policy import PolicyWorker
+
+    cfg = _cfg(tmp_path)
+    policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
+    engine = RolloutWorker(model_dir, cfg, run_dir=tmp_path / "rollout")
+    try:
+        first = _over_the_wire(policy, engine, weights_version=1)
+        assert "buckets" in first["engine"], first
+        before = _engine_vs_trainer_outputs(policy, engine, 1)[0]
+        with torch.no_grad():
+            policy.model.model.layers[1].mlp.down_proj.weight.mul_(2)  # what a loaded refit would change
+        out = _over_the_wire(policy, engine, {"k_scale": [0.01] * 4, "v_scale": [0.01] * 4, "version": 1},
+                             weights_version=3)
+        assert isinstance(out["engine"], ValueError) and "stale KV scales" in str(out["engine"]), out
+        assert isinstance(out["trainer"], RuntimeError) and "manifest refused by engine 0" in str(out["trainer"])
+        assert engine.stats()["weights_version"] == 1
+        assert torch.equal(_engine_vs_trainer_outputs(policy, engine, 1)[0], before)
+        assert "buckets" in _over_the_wire(policy, engine, weights_version=3)["engine"]  # a good refit loads it
+        y_engine, y_trainer = _engine_vs_trainer_outputs(policy, engine, 1)
+        assert torch.equal(y_engine, y_trainer) and not torch.equal(y_engine, before)
+    finally:
+        engine.shutdown()
