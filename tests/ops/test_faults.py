@@ -99,6 +99,9 @@ def test_engine_killed_step_is_redone_then_trainer_killed_stops_fast_and_resumes
         got, want = _history(uri, run_id, key), _history(ref_uri, ref_id, key)
         assert [s for s, _ in got] == [1, 2], (key, got)
         assert got == want, (key, got, want)
+    # the refit group formed at step 1 and again when step 2 was redone (the restarted engine was in none)
+    assert [v for _, v in _history(uri, run_id, "refit/group_generation")] == [1.0, 2.0]
+    assert [v for _, v in _history(ref_uri, ref_id, "refit/group_generation")] == [1.0, 1.0]
     a, b = CheckpointStore(str(ck)), CheckpointStore(str(ref_dir / "checkpoints"))
     wa, wb = a.load(2).weights, b.load(2).weights
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), "step-2 masters differ"
