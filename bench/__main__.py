@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     res["load_average_start"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     print(f"# bench: {res['cpu']}; torch {torch.__version__}; quantize: {res['qdq_kernel']}; load average "
           f"{os.getloadavg()[0] if hasattr(os, 'getloadavg') else float('nan'):.1f}", flush=True)
-    from trainer.memory import keep_freed_heap_memory
+    from process.memory import keep_freed_heap_memory
 
     keep_freed_heap_memory()  # the trainer's allocator setting (PolicyWorker sets it too)
     threads = torch.get_num_threads()

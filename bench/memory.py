@@ -6,7 +6,7 @@ locally built Qwen3-shaped models of several sizes.
     .venv/bin/python -m bench.memory --sizes small --worlds 1,2 --no-results-doc
 
 Per rank: the baseline is the resident set after the actor was constructed (imports, model load, sharding); each
-step then runs after a peak reset (trainer.memory: VmHWM via /proc/self/clear_refs) and reports its peak resident
+step then runs after a peak reset (process.memory: VmHWM via /proc/self/clear_refs) and reports its peak resident
 set minus that baseline -- step 1 includes creating the AdamW state, step 2 is the steady state. The table gives
 the largest rank's figure and, for M > 1, its ratio to M = 1 on the same model. Precision: pages (4 KiB) of the
 whole process; glibc keeps freed heap mapped (the trainer asks it to), which a peak after a reset does not count
@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from process.memory import HEAP_ENV, HEAP_POLICIES
 from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result
-from trainer.memory import HEAP_ENV, HEAP_POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
 # Qwen3-shaped sizes at least 4x apart in parameters (FP8 blocks: hidden / MLP widths multiples of 128)

@@ -41,6 +41,7 @@ import torch
 from configs.schema import Config
 from fp8core.cpu import usable_threads
 from process.faults import TestHooks
+from process.memory import HEAP_ENV, HEAP_POLICIES
 from storage.hub import local_model_dir
 from trainer.batch import Batch, use_packed_attention
 from trainer.calibration import calibrate_clip, calibrate_kv
@@ -48,7 +49,6 @@ from trainer.checkpoint_io import full_state, read_checkpoint, write_checkpoint
 from trainer.dp import DPGroup, load_model
 from trainer.forward import token_logp
 from trainer.logprobs import no_grad_logprobs, reference_model, score_rollouts, shadow_logprobs
-from trainer.memory import HEAP_ENV, HEAP_POLICIES
 from trainer.train_step import (
     accumulate_update,
     complete_old_logprobs,
@@ -194,9 +194,9 @@ class PolicyWorker:
                 "threads": self.threads}
 
     def memory(self, *, reset: bool = False) -> dict:
-        """This rank's process memory (trainer.memory.snapshot: ``rss``, ``peak`` since the last reset, CUDA's
+        """This rank's process memory (process.memory.snapshot: ``rss``, ``peak`` since the last reset, CUDA's
         allocator on a GPU), taken before ``reset`` sets the peak back to the current RSS."""
-        from trainer.memory import reset_peak, snapshot
+        from process.memory import reset_peak, snapshot
 
         out = snapshot()
         if reset:

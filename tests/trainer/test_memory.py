@@ -1,9 +1,9 @@
-"""Process memory as the trainer reports it (trainer/memory.py) and the memory bench's table (bench/memory.py)."""
+"""Process memory as the trainer reports it (process/memory.py) and the memory bench's table (bench/memory.py)."""
 import sys
 
 import pytest
 
-from trainer.memory import peak_bytes, reset_peak, rss_bytes, snapshot
+from process.memory import peak_bytes, reset_peak, rss_bytes, snapshot
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 
@@ -75,13 +75,13 @@ def test_bad_arguments_fail_before_any_model_is_built(args, needle, tmp_path, ca
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc: Linux only")
 @pytest.mark.parametrize("heap, stays", [("keep", True), ("return", False)])
 def test_heap_policy_decides_whether_freed_tensors_leave_the_resident_set(heap, stays):
-    """FP8GRPO_TRAINER_HEAP (trainer.memory.HEAP_POLICIES): ``keep`` (the trainer's default) leaves a freed 64 MB
+    """FP8GRPO_TRAINER_HEAP (process.memory.HEAP_POLICIES): ``keep`` (the trainer's default) leaves a freed 64 MB
     tensor's pages resident, ``return`` (what ``bench.memory --heap return`` measures with) gives them back; each in
     a fresh process, since the setting is per process."""
     import subprocess
 
     # keep first in both: glibc's own default already returns blocks this large, so "return" must undo "keep"
-    code = ("import torch\nfrom trainer.memory import rss_bytes\nfrom trainer.memory import HEAP_POLICIES\n"
+    code = ("import torch\nfrom process.memory import rss_bytes\nfrom process.memory import HEAP_POLICIES\n"
             f"assert HEAP_POLICIES['keep']() and HEAP_POLICIES[{heap!r}]()\n"
             "before = rss_bytes()\nt = torch.ones(16 << 20)\ndel t\nprint((rss_bytes() - before) >> 20)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
