@@ -1,7 +1,7 @@
 """Refit payloads side by side: bytes on the wire and engine refit time for the three ways to ship a policy to an
 FP8 rollout engine, measured in one run on one engine.
 
-    .venv/bin/python -m bench.refit [--model-dir DIR] [--recipe blockwise|rowwise|tensorwise] [--repeats 5]
+    .venv/bin/python -m bench.refit_payloads [--model-dir DIR] [--recipe blockwise|rowwise|tensorwise] [--repeats 5]
 
 * ``fp32``: the FP32 masters (``PolicyWorker.weights()``); the engine quantizes its FP8 layers.
 * ``bf16``: BF16 copies -- what the pipeline shipped before the refit fix (the engine then held ``quantize(bf16(w))``,
@@ -48,7 +48,7 @@ def payloads(model_dir: Path, recipe: str) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", help="HF model dir (default: the tiny model, built under --run-dir)")
-    ap.add_argument("--run-dir", default=str(ROOT / "runs" / "bench-refit"))
+    ap.add_argument("--run-dir", default=str(ROOT / "runs" / "bench-refit-payloads"))
     ap.add_argument("--recipe", default="blockwise", choices=RECIPES)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
