@@ -501,6 +501,16 @@ class RolloutWorker:
         self._last_refit_s = time.perf_counter() - t0
         return {"seconds": self._last_refit_s, **moved}
 
+    def memory(self, *, reset: bool = False) -> dict:
+        """This engine's process memory (process.memory.snapshot: ``rss``, ``peak`` since the last reset), taken
+        before ``reset`` sets the peak back to the current RSS."""
+        from process.memory import reset_peak, snapshot
+
+        out = snapshot()
+        if reset:
+            out["reset"] = reset_peak()
+        return out
+
     def _wire_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 

@@ -1,0 +1,153 @@
+"""Refit transports side by side: the pipeline's refit task (tasks.rl.refit) over the refit group and over Ray's
+object store, with N engines and M data-parallel trainers, at the bench's model sizes, in one run.
+
+    .venv/bin/python -m bench.refit [--sizes small,medium,large] [--engines 2] [--trainers 2] [--repeats 3]
+                                    [--recipe configs/tiny_fp8_e2e.yaml] [--results-doc PATH | --no-results-doc]
+
+Per size and transport the workers are started fresh (cluster.start_workers, ``cluster.refit_transport`` set), one
+refit warms up, then ``--repeats`` refits run through the refit task with every worker's peak RSS reset before
+each. Reported: the median refit seconds; the served state S (the FP8 codes, scales and BF16 rest: what the group's
+senders broadcast, less alignment and checksums); the bytes that cross between processes per refit (the group:
+each sender's buffers reach every other member, (members - 1) x S; the object store: rank 0's gather of the FP32
+shards, 4 B x P x (M - 1) / M, then S to each of the N engines); and the largest peak RSS above the RSS before the
+refits, of the trainer ranks and of the engines -- what a refit adds to a process. ``bench.layouts`` extrapolates
+bytes and memory (not seconds) to the GPU recipes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+TRANSPORTS = ("collective", "object_store")
+
+
+def measure(model_dir: Path, recipe: str, size: str, transport: str, engines: int, trainers: int, repeats: int,
+            out: Path) -> dict:
+    """One row: fresh workers of ``recipe`` on ``model_dir``, ``repeats`` refits through the refit task."""
+    from cluster.runtime import actor, get, policy_refs, start_workers, stop_workers
+    from configs.schema import load_config
+    from tasks import rl
+    from tasks.context import RunContext
+    from trainer.policy import PolicyWorker
+
+    over = [f"cluster.rollout_workers={engines}", f"cluster.policy_workers={trainers}",
+            f"cluster.refit_transport={transport}", "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216",
+            "ray.rollout_worker.num_cpus=0.5", "ray.policy_worker.num_cpus=0.5", f"run_dir={out / 'run'}"]
+    cfg = load_config(ROOT / recipe, over)
+    workers = start_workers(cfg, model_dir, out / "run", f"refit-{size}-{transport}")
+    try:
+        ctx = RunContext.from_config(cfg, policy=workers.policy_name, policy_ranks=workers.policy_names,
+                                     rollouts=workers.rollout_names, run_id=None, tracking_uri=None,
+                                     model_dir=str(model_dir), checkpoint_uri=None)
+        ctx = replace(ctx, refit_transport=transport)
+        params = get(actor(ctx.policy).info.remote())["num_params"]
+        rl.refit.fn(ctx)  # warm-up (and the group's formation)
+        seconds, trainer_peak, engine_peak, sent = [], [], [], []
+        for _ in range(repeats):
+            before_t = get(policy_refs(ctx.trainers, PolicyWorker.memory, reset=True))
+            before_e = get([actor(n).memory.remote(reset=True) for n in ctx.rollouts])
+            t0 = time.perf_counter()
+            m = rl.refit.fn(ctx)
+            seconds.append(time.perf_counter() - t0)
+            sent.append(m.get("refit/bytes_sent"))
+            after_t = get(policy_refs(ctx.trainers, PolicyWorker.memory))
+            after_e = get([actor(n).memory.remote() for n in ctx.rollouts])
+            trainer_peak.append(max(a["peak"] - b["rss"] for a, b in zip(after_t, before_t, strict=True)))
+            engine_peak.append(max(a["peak"] - b["rss"] for a, b in zip(after_e, before_e, strict=True)))
+        served = _served_bytes(ctx)
+    finally:
+        stop_workers(workers)
+    members = engines + trainers
+    moved = ((members - 1) * served if transport == "collective"
+             else 4 * params * (trainers - 1) / trainers + engines * served)
+    return {"size": size, "params": params, "transport": transport, "engines": engines, "trainers": trainers,
+            "seconds": statistics.median(seconds), "all_seconds": seconds, "served_bytes": served,
+            "sent_bytes": sent[-1], "moved_bytes": moved, "trainer_peak_add": max(trainer_peak),
+            "engine_peak_add": max(engine_peak)}
+
+
+def _served_bytes(ctx) -> int:
+    """The served state's bytes (rank 0's ``refit_weights``; every rank takes part in its gather)."""
+    import ray
+
+    from cluster.runtime import get, policy_refs
+    from trainer.policy import PolicyWorker
+
+    refs = policy_refs(ctx.trainers, PolicyWorker.refit_weights)
+    get(refs)
+    return sum(t.numel() * t.element_size() for t in ray.get(refs[0]).values())
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| size | params | transport | engines x trainers | refit s (median) | vs object store | served S MB | "
+           "moved per refit MB | trainer peak added MB | engine peak added MB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {r["size"]: r for r in rows if r["transport"] == "object_store"}
+    for r in rows:
+        b = base.get(r["size"])
+        speed = f"{b['seconds'] / r['seconds']:.2f}x faster" if b and r is not b else ""
+        out.append(f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['transport']} | {r['engines']} x {r['trainers']} | "
+                   f"{r['seconds']:.3f} | {speed} | {r['served_bytes'] / 2**20:.1f} | {r['moved_bytes'] / 2**20:.1f} | "
+                   f"{r['trainer_peak_add'] / 2**20:.1f} | {r['engine_peak_add'] / 2**20:.1f} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.memory import SIZES, build_model
+
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="small,medium,large", help=f"comma-separated, of {', '.join(SIZES)}")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--trainers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--recipe", default="configs/tiny_fp8_e2e.yaml")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-refit")
+    add_results_doc_args(p, "refit-transports")
+    a = p.parse_args(argv)
+    sizes = [s for s in a.sizes.split(",") if s]
+    if not sizes or any(s not in SIZES for s in sizes):
+        p.error(f"--sizes: unknown {a.sizes!r}; known: {', '.join(SIZES)}")
+    if a.engines < 1 or a.trainers < 1 or a.repeats < 1:
+        p.error("--engines, --trainers and --repeats must be >= 1")
+    origin = stamp("bench.refit", argv)
+    import ray
+
+    from cluster.runtime import init_ray
+    from configs.schema import load_config
+
+    a.out = a.out.resolve()
+    a.out.mkdir(parents=True, exist_ok=True)
+    models = {s: build_model(s, a.out) for s in sizes}
+    started = init_ray(load_config(ROOT / a.recipe, ["ray.num_cpus=4"]), a.out / "ray")
+    rows = []
+    try:
+        for s in sizes:
+            for t in TRANSPORTS:
+                r = measure(models[s], a.recipe, s, t, a.engines, a.trainers, a.repeats, a.out)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    finally:
+        if started:
+            ray.shutdown()
+    body = table(rows)
+    print(body)
+    doc = results_doc(a)
+    if doc:
+        details = [f"- recipe `{a.recipe}` (end-to-end FP8, blockwise), {a.engines} engines and {a.trainers} "
+                   f"data-parallel trainers on one machine (gloo over loopback), median of {a.repeats} refits after "
+                   "a warm-up; peaks are RSS above the RSS before each refit (process.memory, VmHWM reset)"]
+        print(f"results: {shown(write_result('refit-transports', 'Refit transports side by side', body, origin, details=details, path=doc))}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
