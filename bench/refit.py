@@ -30,7 +30,7 @@ TRANSPORTS = ("collective", "object_store")
 
 
 def measure(model_dir: Path, recipe: str, size: str, transport: str, engines: int, trainers: int, repeats: int,
-            out: Path) -> dict:
+            out: Path, threads: int = 1) -> dict:
     """One row: fresh workers of ``recipe`` on ``model_dir``, ``repeats`` refits through the refit task."""
     from cluster.runtime import actor, get, policy_refs, start_workers, stop_workers
     from configs.schema import load_config
@@ -40,7 +40,10 @@ def measure(model_dir: Path, recipe: str, size: str, transport: str, engines: in
 
     over = [f"cluster.rollout_workers={engines}", f"cluster.policy_workers={trainers}",
             f"cluster.refit_transport={transport}", "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216",
-            "ray.rollout_worker.num_cpus=0.5", "ray.policy_worker.num_cpus=0.5", f"run_dir={out / 'run'}"]
+            "ray.rollout_worker.num_cpus=0.5", "ray.policy_worker.num_cpus=0.5", f"run_dir={out / 'run'}",
+            # one thread per worker: N + M workers on a machine of few cores would otherwise spin at each other's
+            # OpenMP barriers, and the bench would measure that
+            f"policy.threads={threads}", f"policy.generation.vllm_cfg.threads={threads}"]
     cfg = load_config(ROOT / recipe, over)
     workers = start_workers(cfg, model_dir, out / "run", f"refit-{size}-{transport}")
     try:
@@ -50,7 +53,7 @@ def measure(model_dir: Path, recipe: str, size: str, transport: str, engines: in
         ctx = replace(ctx, refit_transport=transport)
         params = get(actor(ctx.policy).info.remote())["num_params"]
         rl.refit.fn(ctx)  # warm-up (and the group's formation)
-        seconds, trainer_peak, engine_peak, sent = [], [], [], []
+        seconds, trainer_peak, engine_peak, sent, parts = [], [], [], [], []
         for _ in range(repeats):
             before_t = get(policy_refs(ctx.trainers, PolicyWorker.memory, reset=True))
             before_e = get([actor(n).memory.remote(reset=True) for n in ctx.rollouts])
@@ -58,6 +61,7 @@ def measure(model_dir: Path, recipe: str, size: str, transport: str, engines: in
             m = rl.refit.fn(ctx)
             seconds.append(time.perf_counter() - t0)
             sent.append(m.get("refit/bytes_sent"))
+            parts.append({k: m[f"time/refit_{k}_s"] for k in ("make", "wire", "load") if f"time/refit_{k}_s" in m})
             after_t = get(policy_refs(ctx.trainers, PolicyWorker.memory))
             after_e = get([actor(n).memory.remote() for n in ctx.rollouts])
             trainer_peak.append(max(a["peak"] - b["rss"] for a, b in zip(after_t, before_t, strict=True)))
@@ -71,7 +75,8 @@ def measure(model_dir: Path, recipe: str, size: str, transport: str, engines: in
     return {"size": size, "params": params, "transport": transport, "engines": engines, "trainers": trainers,
             "seconds": statistics.median(seconds), "all_seconds": seconds, "served_bytes": served,
             "sent_bytes": sent[-1], "moved_bytes": moved, "trainer_peak_add": max(trainer_peak),
-            "engine_peak_add": max(engine_peak)}
+            "engine_peak_add": max(engine_peak),
+            "parts_s": {k: statistics.median(p[k] for p in parts) for k in parts[0]} if parts and parts[0] else {}}
 
 
 def _served_bytes(ctx) -> int:
@@ -87,13 +92,13 @@ def _served_bytes(ctx) -> int:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| size | params | transport | engines x trainers | refit s (median) | vs object store | served S MB | "
+    out = ["| size | params | transport | engines x trainers | refit s (median) | speed vs object store | served S MB | "
            "moved per refit MB | trainer peak added MB | engine peak added MB |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     base = {r["size"]: r for r in rows if r["transport"] == "object_store"}
     for r in rows:
         b = base.get(r["size"])
-        speed = f"{b['seconds'] / r['seconds']:.2f}x faster" if b and r is not b else ""
+        speed = f"{b['seconds'] / r['seconds']:.2f}x" if b and r is not b else ""
         out.append(f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['transport']} | {r['engines']} x {r['trainers']} | "
                    f"{r['seconds']:.3f} | {speed} | {r['served_bytes'] / 2**20:.1f} | {r['moved_bytes'] / 2**20:.1f} | "
                    f"{r['trainer_peak_add'] / 2**20:.1f} | {r['engine_peak_add'] / 2**20:.1f} |")
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per worker")
     p.add_argument("--recipe", default="configs/tiny_fp8_e2e.yaml")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-refit")
     add_results_doc_args(p, "refit-transports")
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for s in sizes:
             for t in TRANSPORTS:
-                r = measure(models[s], a.recipe, s, t, a.engines, a.trainers, a.repeats, a.out)
+                r = measure(models[s], a.recipe, s, t, a.engines, a.trainers, a.repeats, a.out, a.threads)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     finally:
@@ -143,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = results_doc(a)
     if doc:
         details = [f"- recipe `{a.recipe}` (end-to-end FP8, blockwise), {a.engines} engines and {a.trainers} "
-                   f"data-parallel trainers on one machine (gloo over loopback), median of {a.repeats} refits after "
+                   f"data-parallel trainers on one machine (gloo over loopback), {a.threads} thread(s) per worker, median of "
+                   f"{a.repeats} refits after "
                    "a warm-up; peaks are RSS above the RSS before each refit (process.memory, VmHWM reset)"]
         print(f"results: {shown(write_result('refit-transports', 'Refit transports side by side', body, origin, details=details, path=doc))}")
     return 0

@@ -9,7 +9,8 @@ hook when theirs is not None.
   a lost node. The step's task claims the kill (:meth:`TestHooks.kill_due`: a marker file under the run dir makes
   each kill happen once per run dir, so a retried step or a resumed run goes past it) and arms it on the actor
   (:func:`arm_kill`, through Ray's ``__ray_call__``); the actor's hooks SIGKILL its process at that point (the
-  engine after generating, before returning; the trainer at the start of its update).
+  engine after generating, before returning, or in a refit over the refit group, after its first tensor arrived;
+  the trainer at the start of its update).
 * Validation degraded by ``testing.fault_val_accuracy_drop`` (:meth:`TestHooks.degraded`): the nightly
   regression's tests show that its verdict fails a degraded FP8 run.
 * A skipped refit (``testing.fault_skip_refit_at_step``, :meth:`TestHooks.skip_refit`): the engines keep their

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -243,9 +244,11 @@ def send(group: RefitGroup, manifest: list[list[Piece]], buckets: Callable[[int]
     broadcast, "buckets": count}``."""
     manifests = _exchange_manifests(group, manifest)
     _verdicts(group, error or manifest_error(manifests), "the manifest")
-    sent = 0
+    sent, clock = 0, {"make_s": 0.0, "checksum_s": 0.0, "wire_s": 0.0}
     for b in range(len(manifest)):
+        t0 = time.perf_counter()
         tensors = buckets(b)
+        clock["make_s"] += time.perf_counter() - t0
         for src in range(group.senders):
             if src == group.rank:
                 pieces = manifest[b]
@@ -259,15 +262,19 @@ def send(group: RefitGroup, manifest: list[list[Piece]], buckets: Callable[[int]
                         raise ValueError(f"refit bucket {b}: {p.name} has {raw.numel()} bytes, the manifest says "
                                          f"{p.nbytes}")
                     buf[off:off + p.nbytes] = raw
+                t1 = time.perf_counter()
                 buf[-8:] = torch.tensor([checksum(buf[:-8])], dtype=torch.int64).view(torch.uint8)
+                clock["checksum_s"] += time.perf_counter() - t1
                 sent += buf.numel()
             else:
                 buf = torch.empty(_layout(manifests[src][b])[1] + 8, dtype=torch.uint8, device=group.device)
+            t1 = time.perf_counter()
             _broadcast(group, buf, src)
+            clock["wire_s"] += time.perf_counter() - t1
             del buf
         del tensors
     _verdicts(group, None, "the loading of the refit")
-    return {"bytes": sent, "buckets": len(manifest)}
+    return {"bytes": sent, "buckets": len(manifest), **clock}
 
 
 def receive(group: RefitGroup, verdict: Callable[[list[list[list[Piece]]]], str | None],
@@ -280,6 +287,7 @@ def receive(group: RefitGroup, verdict: Callable[[list[list[list[Piece]]]], str 
     manifests = _exchange_manifests(group, None)
     _verdicts(group, manifest_error(manifests) or verdict(manifests), "the manifest")
     state = {"bytes": 0, "error": None}
+    clock = {"wire_s": 0.0, "checksum_s": 0.0}
     n_buckets = len(manifests[0]) if manifests else 0
 
     def items() -> Iterator[tuple[str, torch.Tensor]]:
@@ -289,12 +297,17 @@ def receive(group: RefitGroup, verdict: Callable[[list[list[list[Piece]]]], str 
                 pieces = manifests[src][b]
                 offsets, total = _layout(pieces)
                 buf = torch.empty(total + 8, dtype=torch.uint8, device=group.device)
+                t0 = time.perf_counter()
                 _broadcast(group, buf, src)
+                clock["wire_s"] += time.perf_counter() - t0
                 state["bytes"] += buf.numel()
                 if state["error"] is not None:
                     continue
                 want = int(buf[-8:].view(torch.int64).item())
-                if checksum(buf[:-8]) != want:
+                t0 = time.perf_counter()
+                ok = checksum(buf[:-8]) == want
+                clock["checksum_s"] += time.perf_counter() - t0
+                if not ok:
                     state["error"] = (f"refit: bucket {b} from trainer rank {src} arrived with a bad checksum "
                                       f"({len(pieces)} tensors, {buf.numel() - 8} bytes): the engine's weights are "
                                       "incomplete until the next refit")
@@ -305,11 +318,13 @@ def receive(group: RefitGroup, verdict: Callable[[list[list[list[Piece]]]], str 
                 yield from assemble(parts)
 
     it = items()
+    t0 = time.perf_counter()
     load(it)
     for _ in it:  # drain what the loader did not take (after an error): the senders are in lockstep
         pass
+    clock["load_s"] = time.perf_counter() - t0 - clock["wire_s"] - clock["checksum_s"]  # the loader's own time
     _verdicts(group, state["error"], "the loading of the refit")
-    return {"bytes": state["bytes"], "buckets": n_buckets}
+    return {"bytes": state["bytes"], "buckets": n_buckets, **clock}
 
 
 def assemble(parts: Sequence[tuple[Piece, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

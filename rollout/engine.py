@@ -487,9 +487,14 @@ class RolloutWorker:
             if skip:
                 return
             self._weights_version = None  # until every bucket is in: a failed refit leaves no usable version
-            typed = ((n, t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 and n in fp8_names else t)
-                     for n, t in items)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": typed, "is_checkpoint_format": True})
+
+            def typed():
+                for i, (n, t) in enumerate(items):
+                    if i == 1 and self.hooks is not None:
+                        self.hooks.kill_point()  # TEST-ONLY: an armed engine dies mid-refit (process/faults.py)
+                    yield n, (t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 and n in fp8_names else t)
+
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": typed(), "is_checkpoint_format": True})
 
         t0 = time.perf_counter()
         moved = receive(group, verdict, load)

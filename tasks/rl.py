@@ -60,6 +60,11 @@ def refit(ctx: RunContext, kv_scales: dict | None = None) -> dict:
         engine_s = [g["seconds"] for g in got]
         m["refit/bytes_sent"] = float(sum(x["bytes"] for x in sent))  # payload + checksums, all trainer ranks
         m["refit/group_generation"] = float(gen)  # grows when the group formed again (a restarted member)
+        # where a refit's time goes (the slowest member of each side): the senders making their buckets (quantizing
+        # their shards), waiting on the wire, the engines' loader
+        m["time/refit_make_s"] = max(x["make_s"] for x in sent)
+        m["time/refit_wire_s"] = max(x["wire_s"] for x in sent)
+        m["time/refit_load_s"] = max(g["load_s"] for g in got)
     else:
         # FP8 codes + scales for end-to-end FP8, else FP32 masters: data-parallel ranks gather them to rank 0 (all
         # take part; the others return nothing)
