@@ -110,6 +110,33 @@ def predict_engines(recipe: str, overrides: list[str], gpus_gb: list[float]) -> 
                               utilization=vc.gpu_memory_utilization)} for g in gpus_gb]
 
 
+def predict_refits(recipe: str, overrides: list[str]) -> dict:
+    """The recipe's refit, both transports (trainer.memory_model.predict_refit)."""
+    from configs.schema import load_config
+    from fp8core.convert import fp8_layer_indices
+    from trainer.memory_model import ModelShape, predict_refit
+
+    cfg = load_config(recipe, overrides)
+    shape = ModelShape.from_config(model_config(cfg)[0])
+    spec = cfg.rollout_fp8_spec() if cfg.policy.generation.vllm_cfg.precision == "fp8" else None
+    fp8_layers = 0 if spec is None else len(fp8_layer_indices(shape.layers, spec.num_first_layers_in_bf16,
+                                                              spec.num_last_layers_in_bf16))
+    n, m = cfg.cluster.rollout_workers, cfg.cluster.policy_workers
+    return {"recipe": Path(recipe).stem, "engines": n, "trainers": m,
+            **predict_refit(shape, fp8_layers=fp8_layers, engines=n, trainers=m)}
+
+
+def refit_table(rows: list[dict]) -> str:
+    lines = ["| recipe | engines x trainers | served S (GB) | largest bucket (GB) | transport | moved per refit (GB) | "
+             "added per trainer rank (GB) | added per engine (GB) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for t in ("collective", "object_store"):
+            lines.append(f"| {r['recipe']} | {r['engines']} x {r['trainers']} | {r['served'] / GB:.1f} | "
+                         f"{r['largest_bucket'] / GB:.2f} | {t} | {r[f'moved_{t}'] / GB:.1f} | "
+                         f"{r[f'trainer_{t}'] / GB:.2f} | {r[f'engine_{t}'] / GB:.2f} |")
+    return "\n".join(lines)
+
+
 def engine_table(rows: list[dict]) -> str:
     lines = ["| recipe | GPU (GB) | FP8 layers | weights (GB) | vLLM budget (GB) | KV room (GB) | KV cache | KV tokens | "
              "full-length sequences at once (of max_num_seqs) | fits |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -136,16 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     if not all(g > 0 for g in gpus):
         p.error(f"--gpu-memory-gb: {gpus} must all be > 0")
     origin = stamp("bench.layouts", argv)
-    rows, engines = [], []
+    rows, engines, refits = [], [], []
     for recipe in a.recipes:
         try:
             for ac in (False, True):
                 rows.append(predict(recipe, a.override, activation_checkpointing=ac))
             engines += predict_engines(recipe, a.override, gpus)
+            refits.append(predict_refits(recipe, a.override))
         except (ValueError, OSError) as e:
             p.error(f"{recipe}: {str(e).splitlines()[0]}")
     out = ("Trainer, per rank:\n\n" + table(rows, gpus) + "\n\nRollout engine, per GPU (one engine per GPU):\n\n"
-           + engine_table(engines))
+           + engine_table(engines) + "\n\nOne refit (cluster.refit_transport), bytes and what it adds per process "
+           "(bench.refit measures them on CPU at 2.9M-103M; seconds are not extrapolated):\n\n" + refit_table(refits))
     print(out)
     doc = results_doc(a)
     if doc:

@@ -4,14 +4,15 @@ object store, with N engines and M data-parallel trainers, at the bench's model 
     .venv/bin/python -m bench.refit [--sizes small,medium,large] [--engines 2] [--trainers 2] [--repeats 3]
                                     [--recipe configs/tiny_fp8_e2e.yaml] [--results-doc PATH | --no-results-doc]
 
-Per size and transport the workers are started fresh (cluster.start_workers, ``cluster.refit_transport`` set), one
-refit warms up, then ``--repeats`` refits run through the refit task with every worker's peak RSS reset before
-each. Reported: the median refit seconds; the served state S (the FP8 codes, scales and BF16 rest: what the group's
-senders broadcast, less alignment and checksums); the bytes that cross between processes per refit (the group:
-each sender's buffers reach every other member, (members - 1) x S; the object store: rank 0's gather of the FP32
-shards, 4 B x P x (M - 1) / M, then S to each of the N engines); and the largest peak RSS above the RSS before the
-refits, of the trainer ranks and of the engines -- what a refit adds to a process. ``bench.layouts`` extrapolates
-bytes and memory (not seconds) to the GPU recipes.
+Per size and transport the workers are started fresh (cluster.start_workers, ``cluster.refit_transport`` set), every
+worker's peak RSS is reset, one refit warms up (and forms the group), then ``--repeats`` refits run through the refit
+task. Reported: the median refit seconds and its parts (the senders making their buckets, the wire, the engines'
+loader); the served state S (the FP8 codes, scales and BF16 rest: what the group's senders broadcast, less alignment
+and checksums); the bytes that cross between processes per refit (the group: each sender's share to each engine,
+N x S; the object store: rank 0's gather of the FP32 shards, 4 B x P x (M - 1) / M, then S
+to each of the N engines); and the largest peak RSS above the RSS before the first refit, of the trainer ranks and
+of the engines -- what refits add to a process, including what it keeps mapped after freeing it. ``bench.layouts``
+extrapolates bytes and memory (not seconds) to the GPU recipes.
 """
 from __future__ import annotations
 
@@ -52,30 +53,31 @@ def measure(model_dir: Path, recipe: str, size: str, transport: str, engines: in
                                      model_dir=str(model_dir), checkpoint_uri=None)
         ctx = replace(ctx, refit_transport=transport)
         params = get(actor(ctx.policy).info.remote())["num_params"]
+        # peaks from before the first refit: what the refits add to each process, including what a process keeps
+        # mapped after a refit freed it (the trainer keeps its freed heap; a later peak would not show it again)
+        before_t = get(policy_refs(ctx.trainers, PolicyWorker.memory, reset=True))
+        before_e = get([actor(n).memory.remote(reset=True) for n in ctx.rollouts])
         rl.refit.fn(ctx)  # warm-up (and the group's formation)
-        seconds, trainer_peak, engine_peak, sent, parts = [], [], [], [], []
+        seconds, sent, parts = [], [], []
         for _ in range(repeats):
-            before_t = get(policy_refs(ctx.trainers, PolicyWorker.memory, reset=True))
-            before_e = get([actor(n).memory.remote(reset=True) for n in ctx.rollouts])
             t0 = time.perf_counter()
             m = rl.refit.fn(ctx)
             seconds.append(time.perf_counter() - t0)
             sent.append(m.get("refit/bytes_sent"))
             parts.append({k: m[f"time/refit_{k}_s"] for k in ("make", "wire", "load") if f"time/refit_{k}_s" in m})
-            after_t = get(policy_refs(ctx.trainers, PolicyWorker.memory))
-            after_e = get([actor(n).memory.remote() for n in ctx.rollouts])
-            trainer_peak.append(max(a["peak"] - b["rss"] for a, b in zip(after_t, before_t, strict=True)))
-            engine_peak.append(max(a["peak"] - b["rss"] for a, b in zip(after_e, before_e, strict=True)))
+        after_t = get(policy_refs(ctx.trainers, PolicyWorker.memory))
+        after_e = get([actor(n).memory.remote() for n in ctx.rollouts])
+        trainer_peak = max(a["peak"] - b["rss"] for a, b in zip(after_t, before_t, strict=True))
+        engine_peak = max(a["peak"] - b["rss"] for a, b in zip(after_e, before_e, strict=True))
         served = _served_bytes(ctx)
     finally:
         stop_workers(workers)
-    members = engines + trainers
-    moved = ((members - 1) * served if transport == "collective"
+    moved = (engines * served if transport == "collective"
              else 4 * params * (trainers - 1) / trainers + engines * served)
     return {"size": size, "params": params, "transport": transport, "engines": engines, "trainers": trainers,
             "seconds": statistics.median(seconds), "all_seconds": seconds, "served_bytes": served,
-            "sent_bytes": sent[-1], "moved_bytes": moved, "trainer_peak_add": max(trainer_peak),
-            "engine_peak_add": max(engine_peak),
+            "sent_bytes": sent[-1], "moved_bytes": moved, "trainer_peak_add": trainer_peak,
+            "engine_peak_add": engine_peak,
             "parts_s": {k: statistics.median(p[k] for p in parts) for k in parts[0]} if parts and parts[0] else {}}
 
 
@@ -150,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     if doc:
         details = [f"- recipe `{a.recipe}` (end-to-end FP8, blockwise), {a.engines} engines and {a.trainers} "
                    f"data-parallel trainers on one machine (gloo over loopback), {a.threads} thread(s) per worker, median of "
-                   f"{a.repeats} refits after "
-                   "a warm-up; peaks are RSS above the RSS before each refit (process.memory, VmHWM reset)"]
+                   f"{a.repeats} refits after a warm-up; peaks are RSS above the RSS before the first refit "
+                   "(process.memory, VmHWM reset)"]
         print(f"results: {shown(write_result('refit-transports', 'Refit transports side by side', body, origin, details=details, path=doc))}")
     return 0
 

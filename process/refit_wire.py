@@ -9,21 +9,24 @@ formation has a ``generation``, so a group formed again (an engine restarted by 
 
 One refit (:func:`send` on the trainer ranks, :func:`receive` on the engines, called concurrently):
 
-1. **Manifests.** Each sender broadcasts what it will send (JSON): per bucket (a decoder layer, then the rest), the
-   pieces -- a tensor's engine-side name, dtype, the shape of the piece and the rows ``[row_offset, row_offset +
-   shape[0])`` of the whole tensor it holds (``rows``: the whole tensor's dim 0).
+1. **Manifests.** Each sender broadcasts what it will send (JSON): per bucket (a decoder layer, then the embeddings,
+   the final norm and the output projection one each), the pieces -- a tensor's engine-side name, dtype, the shape of
+   the piece and the rows ``[row_offset, row_offset + shape[0])`` of the whole tensor it holds (``rows``: the whole
+   tensor's dim 0).
 2. **Verdicts.** Every member checks the manifests (an engine: the names, shapes and dtypes its model expects; see
    ``verdict`` of :func:`receive`) and an all-reduce tells every member who refused, before any payload moves: a bad
    refit stops on every member with one line, and nothing was loaded.
-3. **Payloads.** Per bucket, each sender in turn broadcasts its pieces as one buffer (each at a 16-byte aligned
-   offset), followed by an 8-byte checksum of them (``zlib.crc32`` of the bytes on CPU, a position-weighted byte sum on a GPU); a receiver
-   recomputes it. This replaces a scan of every received byte: what the sender quantized was checked there. A
-   receiver that finds a bad checksum keeps receiving (the senders are in lockstep with it) and reports at the end.
+3. **Payloads.** Per bucket, each sender sends its pieces as one buffer (each at a 16-byte aligned offset), followed
+   by an 8-byte checksum of them (``zlib.crc32`` of the bytes on CPU, a position-weighted byte sum on a GPU), to
+   every engine, point to point; each engine receives the senders' buffers in rank order and recomputes the
+   checksum. This replaces a scan of every received byte: what the sender quantized was checked there. A receiver
+   that finds a bad checksum keeps receiving (the senders are in lockstep with it) and reports at the end.
 4. **Outcome.** A last all-reduce tells every member whether every engine loaded the refit.
 
-Every member receives every broadcast (a trainer rank also gets the other ranks' buckets, one at a time): bytes
-moved per refit are (members - 1) x the served size on the wire, and memory per process is one bucket beyond what it
-holds anyway. FP8 codes travel as bytes (gloo rejects float8 dtypes).
+Bytes moved per refit: N x the served state (each engine gets every sender's share once; the trainers exchange
+nothing but manifests). Memory: a sender holds one bucket of its shard (its tensors and its buffer), an engine one
+bucket (the senders' buffers and the joined tensors) beyond what each holds anyway. FP8 codes travel as bytes (gloo
+rejects float8 dtypes).
 """
 from __future__ import annotations
 
@@ -149,6 +152,11 @@ def _broadcast(group: RefitGroup, t: torch.Tensor, src: int) -> None:
     group.pg.broadcast([t], opts).wait()
 
 
+def _tag(group: RefitGroup, bucket: int, src: int) -> int:
+    """The point-to-point tag of ``src``'s buffer of ``bucket`` (the same on both sides)."""
+    return bucket * group.senders + src
+
+
 def checksum(buf: torch.Tensor) -> int:
     """The checksum of a 1-D uint8 buffer: CRC-32 of its bytes on the CPU; on other devices a position-weighted
     byte sum computed there (weights 1..251 cycling; int64, no overflow below ~2**40 bytes)."""
@@ -241,38 +249,35 @@ def send(group: RefitGroup, manifest: list[list[Piece]], buckets: Callable[[int]
     bucket ``i``'s pieces in order, computed at the start of bucket ``i`` on every sender at once (it may run
     collectives of the senders' own group) and dropped after it: one bucket at a time. ``error``: this sender's
     refusal (one line), raised on every member in the verdict round. Returns ``{"bytes": payload bytes this sender
-    broadcast, "buckets": count}``."""
+    sent to each engine, "buckets": count, and seconds: "make_s", "checksum_s", "wire_s"}``."""
     manifests = _exchange_manifests(group, manifest)
     _verdicts(group, error or manifest_error(manifests), "the manifest")
     sent, clock = 0, {"make_s": 0.0, "checksum_s": 0.0, "wire_s": 0.0}
+    engines = range(group.senders, group.world)
     for b in range(len(manifest)):
         t0 = time.perf_counter()
         tensors = buckets(b)
         clock["make_s"] += time.perf_counter() - t0
-        for src in range(group.senders):
-            if src == group.rank:
-                pieces = manifest[b]
-                if len(tensors) != len(pieces):
-                    raise ValueError(f"refit bucket {b}: {len(tensors)} tensors for {len(pieces)} pieces")
-                offsets, total = _layout(pieces)
-                buf = torch.zeros(total + 8, dtype=torch.uint8, device=group.device)
-                for p, t, off in zip(pieces, tensors, offsets, strict=True):
-                    raw = _bytes_of(t)
-                    if raw.numel() != p.nbytes:
-                        raise ValueError(f"refit bucket {b}: {p.name} has {raw.numel()} bytes, the manifest says "
-                                         f"{p.nbytes}")
-                    buf[off:off + p.nbytes] = raw
-                t1 = time.perf_counter()
-                buf[-8:] = torch.tensor([checksum(buf[:-8])], dtype=torch.int64).view(torch.uint8)
-                clock["checksum_s"] += time.perf_counter() - t1
-                sent += buf.numel()
-            else:
-                buf = torch.empty(_layout(manifests[src][b])[1] + 8, dtype=torch.uint8, device=group.device)
-            t1 = time.perf_counter()
-            _broadcast(group, buf, src)
-            clock["wire_s"] += time.perf_counter() - t1
-            del buf
+        pieces = manifest[b]
+        if len(tensors) != len(pieces):
+            raise ValueError(f"refit bucket {b}: {len(tensors)} tensors for {len(pieces)} pieces")
+        offsets, total = _layout(pieces)
+        buf = torch.zeros(total + 8, dtype=torch.uint8, device=group.device)
+        for p, t, off in zip(pieces, tensors, offsets, strict=True):
+            raw = _bytes_of(t)
+            if raw.numel() != p.nbytes:
+                raise ValueError(f"refit bucket {b}: {p.name} has {raw.numel()} bytes, the manifest says {p.nbytes}")
+            buf[off:off + p.nbytes] = raw
         del tensors
+        t1 = time.perf_counter()
+        buf[-8:] = torch.tensor([checksum(buf[:-8])], dtype=torch.int64).view(torch.uint8)
+        clock["checksum_s"] += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        for work in [group.pg.send([buf], dst, _tag(group, b, group.rank)) for dst in engines]:
+            work.wait()
+        clock["wire_s"] += time.perf_counter() - t1
+        sent += buf.numel()
+        del buf
     _verdicts(group, None, "the loading of the refit")
     return {"bytes": sent, "buckets": len(manifest), **clock}
 
@@ -298,7 +303,7 @@ def receive(group: RefitGroup, verdict: Callable[[list[list[list[Piece]]]], str 
                 offsets, total = _layout(pieces)
                 buf = torch.empty(total + 8, dtype=torch.uint8, device=group.device)
                 t0 = time.perf_counter()
-                _broadcast(group, buf, src)
+                group.pg.recv([buf], src, _tag(group, b, src)).wait()
                 clock["wire_s"] += time.perf_counter() - t0
                 state["bytes"] += buf.numel()
                 if state["error"] is not None:

@@ -192,3 +192,29 @@ def predict_engine(shape: ModelShape, *, fp8_layers: int, kv_bytes_per_token: in
     kv_room = utilization * gpu_bytes - weights
     return {"fp8_params": float(fp8), "weights": float(weights), "budget": utilization * gpu_bytes,
             "kv_room": kv_room, "kv_tokens": max(0.0, kv_room) / kv_bytes_per_token}
+
+
+def predict_refit(shape: ModelShape, *, fp8_layers: int, engines: int, trainers: int) -> dict[str, float]:
+    """One refit's bytes and the memory it adds per process (bytes), for both transports (cluster.refit_transport),
+    from the model's shape: what bench.refit measures on CPU at 2.9M-103M, extrapolated (seconds are not).
+
+    Served state S: the engine's weights (:func:`predict_engine`). Buckets: each decoder layer (FP8 linears 1 B per
+    parameter + block scales, or BF16), then the embeddings and the output projection one each (BF16). Collective:
+    N x S cross between processes (each sender's share to each engine); a trainer rank adds ~2 of its 1/M shares of
+    the largest bucket (its quantized tensors and its send buffer); an engine ~2 largest buckets (the M pieces and their joined
+    tensors) plus the loader's FP32 staging of the largest FP8 layer (4 B per code). Object store: rank 0 gathers the
+    FP32 state (4 B x P x (M - 1) / M cross) and holds it with S and S's serialized copy (4 P + 2 S); each of the N
+    engines fetches S and holds it with the same staging."""
+    fp8_layer = shape.attention_params + shape.mlp_params
+    weights = predict_engine(shape, fp8_layers=fp8_layers, kv_bytes_per_token=1, gpu_bytes=0.0, utilization=0.0)
+    served = weights["weights"]
+    layer_fp8 = fp8_layer * (1 + F32 / (128 * 128)) + 2 * (shape.layer_params - fp8_layer)
+    layer_bf16 = 2 * shape.layer_params
+    embed = 2 * shape.vocab * shape.hidden
+    largest = max(layer_fp8 if fp8_layers else 0.0, layer_bf16 if fp8_layers < shape.layers else 0.0, embed)
+    staging = F32 * fp8_layer if fp8_layers else 0.0
+    return {"served": served, "largest_bucket": largest,
+            "moved_collective": engines * served,
+            "moved_object_store": F32 * shape.params * (trainers - 1) / trainers + engines * served,
+            "trainer_collective": 2 * largest / trainers, "engine_collective": 2 * largest + staging,
+            "trainer_object_store": F32 * shape.params + 2 * served, "engine_object_store": served + staging}

@@ -34,11 +34,12 @@ __all__ = ["ServedShard", "bucket_of"]
 _LAYER = "model.layers."
 
 
-def bucket_of(name: str, num_layers: int) -> int:
-    """The bucket of a served name: its decoder layer, else the last bucket (embeddings, final norm, lm_head)."""
+def bucket_of(name: str, num_layers: int, others: dict[str, int]) -> int:
+    """The bucket of a served name: its decoder layer, else one bucket per other state entry (embeddings, final
+    norm, lm_head: each can be larger than a decoder layer), numbered after the layers in ``others``' order."""
     if name.startswith(_LAYER):
         return int(name[len(_LAYER):].split(".", 1)[0])
-    return num_layers
+    return num_layers + others[name]
 
 
 def _local(t: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, int]:
@@ -65,12 +66,15 @@ class ServedShard:
         self.rank, self.world, self.fp8 = rank, world, fp8
         recipes, fp32 = served_recipes(model) if fp8 else ({}, set())
         layers = getattr(getattr(model, "model", None), "layers", ())
-        self.num_buckets = len(layers) + 1
+        self._layers = len(layers)
+        state = model.state_dict()
+        self._others = {n: i for i, n in enumerate(n for n in state if not n.startswith(_LAYER))}
+        self.num_buckets = len(layers) + len(self._others)
         self._jobs: list[list[tuple]] = [[] for _ in range(self.num_buckets)]
         self.manifest: list[list[Piece]] = [[] for _ in range(self.num_buckets)]
         sharded: list[tuple[str, torch.Tensor, int, int, str, object]] = []
         self.error: str | None = None
-        for entry, t in model.state_dict().items():
+        for entry, t in state.items():
             is_shard = hasattr(t, "to_local") and t.dim() > 0 and world > 1
             if not is_shard and rank != 0:
                 continue  # a tensor every rank holds whole (not sharded): rank 0 serves it
@@ -95,7 +99,7 @@ class ServedShard:
             amax = self._amax[name]
             if self.error is None and not bool(torch.isfinite(amax).all()):
                 self.error = f"refit: {name} has non-finite values (its FP8 amax over the data-parallel ranks)"
-            b = bucket_of(name, self.num_buckets - 1)
+            b = self._bucket(name)
             self._add(name, ("shard", local, amax, gran, start, rows, config.pow2_weight),
                       Piece(name, "uint8", tuple(local.shape), start, rows))
             if rank == 0:
@@ -103,8 +107,11 @@ class ServedShard:
                 self._jobs[b].append(("scale_of", name))
                 self.manifest[b].append(Piece(name + SCALE_SUFFIX, "float32", tuple(shape)))
 
+    def _bucket(self, name: str) -> int:
+        return bucket_of(name, self._layers, self._others)
+
     def _add(self, name: str, job: tuple, piece: Piece) -> None:
-        b = bucket_of(name, self.num_buckets - 1)
+        b = self._bucket(name)
         self._jobs[b].append(job)
         self.manifest[b].append(piece)
 
@@ -122,7 +129,7 @@ class ServedShard:
         self._check_finite(name, t)  # quantize would raise later, after the verdict round
         gran = WEIGHT_GRANULARITY[config.recipe]
         self._add(name, ("whole_fp8", t, config), Piece(name, "uint8", tuple(t.shape)))
-        b = bucket_of(name, self.num_buckets - 1)
+        b = self._bucket(name)
         self._jobs[b].append(("scale_of", name))
         self.manifest[b].append(Piece(name + SCALE_SUFFIX, "float32", tuple(_scale_shape(tuple(t.shape), gran))))
 

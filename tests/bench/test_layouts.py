@@ -37,8 +37,13 @@ def test_command_prints_every_recipe_with_and_without_checkpointing(monkeypatch,
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert main([str(p) for p in sorted(GPU.glob("*.yaml"))] + ["--no-results-doc"]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "fp8-e2e" in ln]
-    trainers, engines = rows[:6], rows[6:]
+    trainers, engines, refits = rows[:6], rows[6:12], rows[12:]
     assert len(trainers) == 6 and len(engines) == 6 and all(ln.endswith("| yes |") for ln in engines)
+    # refit rows: per recipe the collective transport adds a fraction of a GB per trainer rank, the object store
+    # the whole FP32 model on rank 0
+    assert len(refits) == 6 and [("| collective |" in ln) for ln in refits] == [True, False] * 3
+    added = [float(ln.split("|")[7]) for ln in refits]
+    assert all(c < 1.0 < o for c, o in zip(added[::2], added[1::2], strict=True))
     laid_out = [ln for ln in trainers if "| on |" in ln]
     assert [ln.endswith("| no | yes |") for ln in laid_out] == ["qwen3-30b" in ln for ln in laid_out]
     assert all(ln.endswith("| yes | yes |") for ln in laid_out if "qwen3-30b" not in ln)
@@ -51,3 +56,26 @@ def test_a_recipe_that_names_an_unknown_model_fails_in_one_line(monkeypatch, tmp
         main([str(GPU / "qwen3-8b-base-fp8-e2e.yaml"), "-o", "policy.model_name=org/unknown", "--no-results-doc"])
     err = capsys.readouterr().err
     assert "policy.model_name: 'org/unknown' is neither in the Hugging Face cache" in err
+
+
+def test_refit_prediction_serves_what_the_trainer_serves():
+    """predict_refit's served state S is the bytes of fp8core.serve's served state dict of a model of that shape
+    (FP8 decoder linears with block scales, BF16 rest); its object-store trainer term holds the FP32 model."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fp8core.convert import convert_to_fp8
+    from fp8core.linear import FP8LinearConfig
+    from fp8core.serve import served_state_dict
+    from trainer.memory_model import predict_refit
+
+    cfg = Qwen3Config(vocab_size=3000, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=128, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg)
+    convert_to_fp8(model, FP8LinearConfig(), num_first_layers_in_bf16=1)
+    served = sum(t.numel() * t.element_size() for t in served_state_dict(model).values())
+    shape = ModelShape.from_config(cfg.to_dict())
+    r = predict_refit(shape, fp8_layers=2, engines=2, trainers=2)
+    assert r["served"] == pytest.approx(served, rel=1e-6)
+    assert r["moved_collective"] == 2 * r["served"] < r["moved_object_store"]
+    assert r["trainer_object_store"] >= 4 * sum(p.numel() for p in model.parameters())
+    assert r["largest_bucket"] == 2 * shape.vocab * shape.hidden  # the embeddings: larger than a layer here
