@@ -21,7 +21,7 @@ def test_an_engine_dying_mid_refit_fails_the_refit_naming_it_and_the_group_forms
     from cluster.runtime import actor, await_actors, get, init_ray, start_workers, stop_workers
     from configs.schema import load_config
     from diagnostics.mismatch import quick_sft_model
-    from process.faults import arm_kill
+    from process.faults import TestHooks, arm_kill
     from tasks import rl
     from tasks.context import RunContext
 
@@ -31,11 +31,11 @@ def test_an_engine_dying_mid_refit_fails_the_refit_naming_it_and_the_group_forms
         "cluster.rollout_workers=2", "cluster.policy_workers=2", f"cluster.collective_timeout_s={timeout}",
         "ray.rollout_worker.num_cpus=0.5", "ray.policy_worker.num_cpus=0.5",
         "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={tmp_path}",
-        "testing.fault_kill_rollout_at_step=99"])  # never due here: it only gives the actors their TEST-ONLY hooks
+        "testing.fault_kill_rollout_at_step=15"])  # never due here (no step runs): it gives the actors their TEST-ONLY hooks
     started = init_ray(cfg, tmp_path / "ray")
     workers = None
     try:
-        workers = start_workers(cfg, model_dir, tmp_path, "refit-faults")
+        workers = start_workers(cfg, model_dir, tmp_path, "refit-faults", hooks=TestHooks.from_config(cfg, tmp_path))
         ctx = RunContext.from_config(cfg, policy=workers.policy_name, policy_ranks=workers.policy_names,
                                      rollouts=workers.rollout_names, run_id=None, tracking_uri=None,
                                      model_dir=str(model_dir), checkpoint_uri=None)
