@@ -1,0 +1,72 @@
+"""fp8core.mx: MXFP8 codes and E8M0 scale bytes bit for bit torchao's ``to_mx`` (the reference), both scale rules
+and both element formats, on random, subnormal, zero, saturating and extreme-exponent blocks; non-finite input
+raises (the project's rule, where torchao writes a NaN scale)."""
+import pytest
+import torch
+
+from fp8core.mx import mx_dequantize, mx_quantize
+from fp8core.quant import NonFiniteInput
+
+mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
+
+MODES = {"floor": ScaleCalculationMode.FLOOR, "rceil": ScaleCalculationMode.RCEIL}
+DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _cases() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(64, 256, generator=g) * torch.logspace(-30, 30, 64).unsqueeze(1)  # every block its binade
+    blocks = torch.randn(16, 32 * 8, generator=g)
+    blocks[0] = 0.0  # an all-zero row
+    blocks[1, :32] = 1e-41  # subnormal FP32 block
+    blocks[1, 32:64] = torch.linspace(-3e-39, 3e-39, 32)
+    blocks[2, :32] = 3.0e38  # near FP32's largest
+    blocks[2, 32:64] = torch.linspace(-1.7e38, 1.7e38, 32)
+    for i, top in enumerate([448.0, 460.0, 479.9, 480.0, 500.0, 511.9, 512.0, 57344.0, 61440.0, 1.0, 0.875]):
+        blocks[3 + i, :32] = torch.linspace(-top, top, 32)  # around E4M3 / E5M2 saturation and power-of-two edges
+    return {"spread": spread, "edges": blocks, "bf16": (torch.randn(8, 128, generator=g) * 3).to(torch.bfloat16)}
+
+
+@pytest.mark.parametrize("rule", ["floor", "rceil"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", ["spread", "edges", "bf16"])
+def test_codes_and_scales_are_torchaos(rule, fmt, case):
+    x = _cases()[case]
+    ours = mx_quantize(x, fmt=fmt, rule=rule)
+    scale, data = mx_tensor.to_mx(x.contiguous(), DTYPES[fmt], 32, MODES[rule])
+    assert torch.equal(ours.scale, scale.view(torch.uint8).reshape(ours.scale.shape))
+    assert torch.equal(ours.data.view(torch.uint8), data.view(torch.uint8).reshape(ours.data.shape))
+
+
+def test_rceil_never_saturates_and_floor_may():
+    x = torch.linspace(-480.0, 480.0, 32).reshape(1, 32)  # amax 480 = 1.875 x 2**8
+    floor, rceil = mx_quantize(x, rule="floor"), mx_quantize(x, rule="rceil")
+    assert floor.dequantize().abs().max() == 448.0  # saturated at E4M3's largest
+    assert rceil.dequantize().abs().max() == 480.0  # scale 2**1: 240 is an E4M3 value
+    assert (int(floor.scale), int(rceil.scale)) == (127, 128)
+
+
+def test_dequantize_is_code_times_the_power_of_two():
+    x = torch.randn(4, 64) * 10
+    q = mx_quantize(x)
+    manual = q.data.float().reshape(4, 2, 32) * torch.pow(2.0, q.scale.float() - 127).unsqueeze(-1)
+    assert torch.equal(mx_dequantize(q), manual.reshape(4, 64))
+    assert (mx_dequantize(q) - x).abs().max() <= x.abs().max() * 2**-3  # E4M3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_raises(bad):
+    x = torch.ones(2, 64)
+    x[1, 40] = bad
+    with pytest.raises(NonFiniteInput):
+        mx_quantize(x)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="multiple of the block, 32"):
+        mx_quantize(torch.ones(2, 48))
+    with pytest.raises(ValueError, match="rule='round'"):
+        mx_quantize(torch.ones(2, 32), rule="round")
+    with pytest.raises(ValueError, match="fmt='e3m4'"):
+        mx_quantize(torch.ones(2, 32), fmt="e3m4")
