@@ -32,7 +32,7 @@ import torch
 from .formats import FP8_DTYPES, FP8_MAX
 from .quant import NON_FINITE, NonFiniteInput
 
-__all__ = ["MX_BLOCK", "MX_RULES", "MXTensor", "mx_quantize", "mx_dequantize"]
+__all__ = ["MX_BLOCK", "MX_RULES", "MXTensor", "mx_quantize", "mx_dequantize", "swizzle_scales", "mx_mm"]
 
 MX_BLOCK = 32
 MX_RULES = ("floor", "rceil")
@@ -107,3 +107,47 @@ def mx_dequantize(q: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     scale = torch.ldexp(torch.ones(q.scale.shape, dtype=torch.float32, device=d.device),
                         q.scale.to(torch.int32) - E8M0_BIAS)
     return (groups * scale.unsqueeze(-1)).reshape(d.shape).to(dtype)
+
+
+def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales ``[rows, K / 32]`` in the block-scaling layout cuBLAS reads for MX GEMMs (torch's
+    ``SwizzleType.SWIZZLE_32_4_4``), flat: the scales padded with zeros to 128-row x 4-column tiles, tiles in row-major
+    order, and inside a tile the element at (r, c) at byte ``(r % 32) * 16 + (r // 32) * 4 + c``."""
+    rows, cols = scale.shape
+    rt, ct = -(-rows // 128), -(-cols // 4)
+    padded = scale.new_zeros(rt * 128, ct * 4)
+    padded[:rows, :cols] = scale
+    # [row tile, r // 32, r % 32, col tile, c] -> [row tile, col tile, r % 32, r // 32, c]
+    tiles = padded.view(rt, 4, 32, ct, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(-1)
+
+
+def mx_mm(a: MXTensor, b: MXTensor, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a @ b.T`` for ``a`` [M, K] and ``b`` [N, K], both MX along K (E4M3 or E5M2, 32-element blocks): one
+    ``torch.nn.functional.scaled_mm`` call with 1x32 block scaling on both operands and swizzled E8M0 scales (Blackwell's
+    MX GEMM; no host read, runs on the meta device). Where torch rejects the call as unsupported (a CPU, a GPU before
+    SM100), the products of the dequantized operands in FP32 -- exact: each element times its power-of-two scale is an
+    FP32 value -- summed in FP32."""
+    from fp8core.scaled_mm import unsupported
+
+    if a.block != MX_BLOCK or b.block != MX_BLOCK or a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"mx_mm: need [M, K] and [N, K] in 32-element blocks, got {tuple(a.data.shape)} "
+                         f"({a.block}) and {tuple(b.data.shape)} ({b.block})")
+    import torch.nn.functional as F
+
+    if hasattr(F, "scaled_mm") and hasattr(F.ScalingType, "BlockWise1x32"):
+        n = b.data.shape[0]
+        pad = -n % 16  # torch wants both of mat2's dimensions divisible by 16: zero rows (scale code 0), cropped after
+        bd = torch.cat([b.data, b.data.new_zeros(pad, b.data.shape[1])]) if pad else b.data
+        bs = torch.cat([b.scale, b.scale.new_zeros(pad, b.scale.shape[1])]) if pad else b.scale
+        sa = swizzle_scales(a.scale).view(torch.float8_e8m0fnu)
+        sb = swizzle_scales(bs).view(torch.float8_e8m0fnu)
+        swz = F.SwizzleType.SWIZZLE_32_4_4
+        try:
+            out = F.scaled_mm(a.data, bd.t(), sa, F.ScalingType.BlockWise1x32, sb, F.ScalingType.BlockWise1x32,
+                              swizzle_a=swz, swizzle_b=swz, output_dtype=out_dtype)
+            return out[:, :n] if pad else out
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            if not unsupported(e):
+                raise
+    return (mx_dequantize(a) @ mx_dequantize(b).t()).to(out_dtype)

@@ -84,9 +84,10 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, **kw) -> torch.Tensor:
         return torch._scaled_mm(a, b, **kw)
 
 
-# "supported": "not supported", "unsupported", "only bf16 ... output types are supported for row-wise scaling", ...
-_UNSUPPORTED_HINTS = ("supported", "invalid scaling configuration", "not implemented", "no kernel",
-                      "could not create a primitive")
+# "supported": "not supported", "unsupported", "only bf16 ... output types are supported for row-wise scaling", ...;
+# "does not support": "CPU does not support swizzle" (an MX GEMM's scales)
+_UNSUPPORTED_HINTS = ("supported", "does not support", "invalid scaling configuration", "not implemented",
+                      "no kernel", "could not create a primitive")
 
 
 def unsupported(e: BaseException) -> bool:

@@ -70,3 +70,44 @@ def test_bad_arguments_are_named():
         mx_quantize(torch.ones(2, 32), rule="round")
     with pytest.raises(ValueError, match="fmt='e3m4'"):
         mx_quantize(torch.ones(2, 32), fmt="e3m4")
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 4), (256, 16), (1, 1), (130, 9), (300, 33)])
+def test_swizzle_is_torchaos_to_blocked(rows, cols):
+    from torchao.prototype.mx_formats.utils import to_blocked
+
+    from fp8core.mx import swizzle_scales
+
+    s = torch.randint(0, 255, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows + cols))
+    assert torch.equal(swizzle_scales(s), to_blocked(s))
+
+
+@pytest.mark.parametrize("m,k,n", [(256, 512, 384), (1, 64, 32), (130, 96, 200)])
+def test_mx_gemm_is_one_scaled_mm_call_on_the_meta_device(m, k, n, monkeypatch):
+    """The call form torch's meta kernel accepts (1x32 block scaling, swizzled E8M0 scales), once per GEMM; nothing
+    is read back to the host there."""
+    import torch.nn.functional as F
+
+    from fp8core.mx import MXTensor, mx_mm
+
+    calls = []
+    real = F.scaled_mm
+    monkeypatch.setattr(F, "scaled_mm", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    a = MXTensor(torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta"),
+                 torch.empty(m, k // 32, dtype=torch.uint8, device="meta"))
+    b = MXTensor(torch.empty(n, k, dtype=torch.float8_e4m3fn, device="meta"),
+                 torch.empty(n, k // 32, dtype=torch.uint8, device="meta"))
+    out = mx_mm(a, b)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16 and len(calls) == 1
+
+
+def test_on_a_cpu_the_mx_gemm_is_the_dequantized_product():
+    """A CPU's torch rejects the MX call; the fallback's FP32 products of the exact dequantized operands."""
+    from fp8core.mx import mx_mm
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(8, 128, generator=g), torch.randn(16, 128, generator=g)
+    qa, qb = mx_quantize(x), mx_quantize(w)
+    out = mx_mm(qa, qb, out_dtype=torch.float32)
+    assert torch.equal(out, mx_dequantize(qa) @ mx_dequantize(qb).t())
+    assert (out - x @ w.t()).abs().max() < 0.1 * (x @ w.t()).abs().max()
