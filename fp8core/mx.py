@@ -16,9 +16,10 @@ cases: the E8M0 exponent range is clamped to [-127, 127] (floor: [-127, 128]), a
 normal FP32 divides by 2**-126, and an rceil scale code 0 (amax / max <= 2**-127) multiplies by 1
 (tests/fp8core/test_mx.py compares them on random, subnormal, zero, saturating and extreme-exponent tensors).
 
-Non-finite input follows the project's rule, not torchao's: :func:`mx_quantize` raises
-:class:`fp8core.quant.NonFiniteInput` (torchao writes the NaN scale byte 255 for a NaN block, and an inf block gets a
-finite scale and saturated elements), as :func:`fp8core.quant.quantize` does.
+Non-finite input follows the project's rule, not torchao's: on a CPU :func:`mx_quantize` raises
+:class:`fp8core.quant.NonFiniteInput`, elsewhere it sets the device's non-finite flag without a host read
+(:func:`fp8core.quant.record_nonfinite`), as :func:`fp8core.quant.quantize` does; torchao writes the NaN scale byte
+255 for a NaN block, and an inf block gets a finite scale and saturated elements.
 
 The scale exponent is computed from the FP32 bits (floor) and with ``frexp`` (rceil) -- exact integer arithmetic, no
 ``log2`` rounding.
@@ -30,9 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from .formats import FP8_DTYPES, FP8_MAX
-from .quant import NON_FINITE, NonFiniteInput
+from .quant import NON_FINITE, NonFiniteInput, record_nonfinite
 
-__all__ = ["MX_BLOCK", "MX_RULES", "MXTensor", "mx_quantize", "mx_dequantize", "swizzle_scales", "mx_mm"]
+__all__ = ["MX_BLOCK", "MX_RULES", "MXTensor", "mx_quantize", "mx_dequantize", "swizzle_scales", "mx_mm", "mx_linear"]
 
 MX_BLOCK = 32
 MX_RULES = ("floor", "rceil")
@@ -85,8 +86,12 @@ def mx_quantize(x: torch.Tensor, *, fmt: str = "e4m3", rule: str = "floor", bloc
     xf = x.detach().to(torch.float32)
     groups = xf.reshape(*xf.shape[:-1], xf.shape[-1] // block, block)
     amax = torch.maximum(groups.amax(-1), groups.amin(-1).neg()) if groups.numel() else groups.new_zeros(groups.shape[:-1])
-    if groups.numel() and not bool(torch.isfinite(amax).all()):
-        raise NonFiniteInput(NON_FINITE)
+    if groups.numel():
+        if xf.device.type == "cpu":
+            if not bool(torch.isfinite(amax).all()):
+                raise NonFiniteInput(NON_FINITE)
+        else:  # no host read off the CPU: the device's flag, read where the caller syncs anyway (as quantize)
+            record_nonfinite(amax.device, torch.isfinite(amax).all().logical_not())
     fp8_max = FP8_MAX[fmt]
     if rule == "floor":
         k = _floor_exponent(amax, _EMAX[fmt])
@@ -151,3 +156,43 @@ def mx_mm(a: MXTensor, b: MXTensor, *, out_dtype: torch.dtype = torch.bfloat16) 
             if not unsupported(e):
                 raise
     return (mx_dequantize(a) @ mx_dequantize(b).t()).to(out_dtype)
+
+
+def _along_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [R, C] padded with zero columns to a multiple of the block (the tokens of a wgrad)."""
+    pad = -t.shape[1] % MX_BLOCK
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
+
+
+class _MXLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, rule, grad_fmt):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = mx_mm(mx_quantize(x2.contiguous(), rule=rule), mx_quantize(weight.contiguous(), rule=rule),
+                  out_dtype=torch.float32)
+        ctx.save_for_backward(x2, weight)
+        ctx.rule, ctx.grad_fmt, ctx.shape = rule, grad_fmt, x.shape
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1]).to(torch.float32).contiguous()
+        rule, gf = ctx.rule, ctx.grad_fmt
+        # dgrad: contraction over N -- dY along N, the weight re-quantized along N
+        dx = mx_mm(mx_quantize(dy2, fmt=gf, rule=rule), mx_quantize(weight.t().contiguous(), rule=rule),
+                   out_dtype=torch.float32)
+        # wgrad: contraction over the tokens -- dY^T and X^T along the tokens, padded to the block
+        dw = mx_mm(mx_quantize(_along_rows(dy2.t()), fmt=gf, rule=rule),
+                   mx_quantize(_along_rows(x2.to(torch.float32).t()), rule=rule), out_dtype=torch.float32)
+        return dx.reshape(ctx.shape), dw.to(weight.dtype), None, None
+
+
+def mx_linear(x: torch.Tensor, weight: torch.Tensor, *, rule: str = "floor", grad_fmt: str = "e4m3") -> torch.Tensor:
+    """``x @ weight.T`` with MXFP8 GEMMs, forward and backward, each operand quantized along the dimension its GEMM
+    contracts: the forward X and W along K; the dgrad dY along N and W re-quantized along N; the wgrad dY and X along
+    the tokens (padded to 32). Elements E4M3, gradients ``grad_fmt`` (E5M2: the hybrid format); FP32 output."""
+    if x.shape[-1] % MX_BLOCK or weight.shape[0] % MX_BLOCK or weight.shape[1] % MX_BLOCK:
+        raise ValueError(f"mx_linear: K and N must be multiples of {MX_BLOCK}, got x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    return _MXLinearFn.apply(x, weight, rule, grad_fmt)

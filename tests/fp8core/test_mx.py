@@ -111,3 +111,38 @@ def test_on_a_cpu_the_mx_gemm_is_the_dequantized_product():
     out = mx_mm(qa, qb, out_dtype=torch.float32)
     assert torch.equal(out, mx_dequantize(qa) @ mx_dequantize(qb).t())
     assert (out - x @ w.t()).abs().max() < 0.1 * (x @ w.t()).abs().max()
+
+
+def test_mx_linear_quantizes_each_operand_along_what_its_gemm_contracts():
+    """Forward, dgrad and wgrad equal the FP32 products of the operands MX-quantized along K, N and the tokens
+    (padded to 32) respectively; and stay near the unquantized gradients."""
+    from fp8core.mx import mx_linear
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 7, 64, generator=g, requires_grad=True)  # 21 tokens: the wgrad pads them to 32
+    w = torch.randn(96, 64, generator=g, requires_grad=True)
+    dy = torch.randn(3, 7, 96, generator=g)
+    y = mx_linear(x, w, grad_fmt="e5m2")
+    y.backward(dy)
+    dq = lambda t, **kw: mx_dequantize(mx_quantize(t.contiguous(), **kw))  # noqa: E731
+    x2, dy2 = x.detach().reshape(21, 64), dy.reshape(21, 96)
+    pad = lambda t: torch.nn.functional.pad(t, (0, 11))  # noqa: E731
+    assert torch.equal(y.detach().reshape(21, 96), dq(x2) @ dq(w.detach()).t())
+    assert torch.equal(x.grad.reshape(21, 64), dq(dy2, fmt="e5m2") @ dq(w.detach().t()).t())
+    assert torch.equal(w.grad, dq(pad(dy2.t()), fmt="e5m2") @ dq(pad(x2.t())).t())
+    exact_dw = dy2.t() @ x2
+    assert (w.grad - exact_dw).norm() < 0.15 * exact_dw.norm()
+
+
+def test_mx_linear_on_the_meta_device_is_three_mx_gemms(monkeypatch):
+    import torch.nn.functional as F
+
+    from fp8core.mx import mx_linear
+
+    calls = []
+    real = F.scaled_mm
+    monkeypatch.setattr(F, "scaled_mm", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    x = torch.empty(40, 128, device="meta", requires_grad=True)
+    w = torch.empty(64, 128, device="meta", requires_grad=True)
+    mx_linear(x, w).sum().backward()
+    assert len(calls) == 3 and x.grad.shape == x.shape and w.grad.shape == w.shape
