@@ -1,5 +1,5 @@
-"""The refit group under a dying member, through the pipeline's own refit task on real Ray actors: 2 engines and
-2 data-parallel trainers, engine 1 SIGKILLed in the middle of a refit over the wire (after its first tensor). The
+"""The refit group under a dying member, through the pipeline's own refit task on real Ray actors: 2 engines and a
+trainer (tests/ops/test_fanout.py runs 2 x 2 trainers over the group), engine 1 SIGKILLed in the middle of a refit over the wire (after its first tensor). The
 others fail within the collective timeout, the task raises the dead engine's own actor error (what the flow's engine
 recovery acts on), Ray restarts the engine, and the next refit forms the group again and loads every engine."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_an_engine_dying_mid_refit_fails_the_refit_naming_it_and_the_group_forms
     model_dir = quick_sft_model(ROOT / "runs" / "test-env" / "models")
     timeout = 20
     cfg = load_config(ROOT / "configs" / "tiny_fp8_e2e.yaml", [
-        "cluster.rollout_workers=2", "cluster.policy_workers=2", f"cluster.collective_timeout_s={timeout}",
+        "cluster.rollout_workers=2", "cluster.policy_workers=1", f"cluster.collective_timeout_s={timeout}",
         "ray.rollout_worker.num_cpus=0.5", "ray.policy_worker.num_cpus=0.5",
         "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", f"run_dir={tmp_path}",
         "testing.fault_kill_rollout_at_step=15"])  # never due here (no step runs): it gives the actors their TEST-ONLY hooks

@@ -79,32 +79,43 @@ def test_a_non_finite_weight_is_named_before_anything_is_sent():
                                                   "(trainer rank 0)")
 
 
-def _rank(rank: int, world: int, store: str, kind: str, recipe: str, out: str) -> None:
+SHARDED = [("dense", "blockwise"), ("dense", "tensorwise"), ("moe", "blockwise")]
+
+
+def _rank(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     from trainer.dp import shard_model
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    model = _model(kind, recipe)
-    shard_model(model, torch.device("cpu"))
-    shard = ServedShard(model, fp8=True, rank=rank, world=world,
-                        all_reduce_max=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
-    torch.save({"error": shard.error, "manifest": shard.manifest,
-                "tensors": [shard.tensors(b) for b in range(shard.num_buckets)]}, f"{out}/rank{rank}.pt")
+    for kind, recipe in SHARDED:
+        model = _model(kind, recipe)
+        shard_model(model, torch.device("cpu"))
+        shard = ServedShard(model, fp8=True, rank=rank, world=world,
+                            all_reduce_max=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+        torch.save({"error": shard.error, "manifest": shard.manifest,
+                    "tensors": [shard.tensors(b) for b in range(shard.num_buckets)]},
+                   f"{out}/{kind}-{recipe}-rank{rank}.pt")
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind,recipe", [("dense", "blockwise"), ("dense", "tensorwise"), ("moe", "blockwise")])
-def test_two_fsdp_ranks_serve_the_whole_models_served_state(tmp_path, kind, recipe):
-    """384 rows in two chunks of 192: the second 128-row block straddles the ranks (its scale from both ranks'
-    amax); MoE: 5 experts in chunks of 3 and 2, each rank serving its experts under their global numbers."""
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Two spawned FSDP2 ranks, each serving every model of SHARDED from its shard: the saved results' folder."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank, args=(2, str(tmp_path / "store"), kind, recipe, str(tmp_path)), nprocs=2)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    tmp = tmp_path_factory.mktemp("refit-shard")
+    mp.spawn(_rank, args=(2, str(tmp / "store"), str(tmp)), nprocs=2)
+    return tmp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,recipe", SHARDED)
+def test_two_fsdp_ranks_serve_the_whole_models_served_state(two_ranks, kind, recipe):
+    """384 rows in two chunks of 192: the second 128-row block straddles the ranks (its scale from both ranks'
+    amax); MoE: 5 experts in chunks of 3 and 2, each rank serving its experts under their global numbers."""
+    ranks = [torch.load(two_ranks / f"{kind}-{recipe}-rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["error"] for r in ranks] == [None, None]
     straddling = [p for p in ranks[1]["manifest"][2] if p.row_offset % 128]
     assert straddling  # the split really falls inside blocks
     _same(_joined([(r["manifest"], r["tensors"]) for r in ranks]), served_state_dict(_model(kind, recipe)))
-
