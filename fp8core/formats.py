@@ -1,5 +1,5 @@
-"""The FP8 formats' constants and the scale floor, shared by the quantizer's modules (fp8core.quant, which documents
-the conventions and re-exports these, and fp8core.quant_chunked)."""
+"""The FP8 formats' constants, the scale floor and the scale rule, shared by the quantizer's modules (fp8core.quant,
+which documents the conventions and re-exports these, fp8core.quant_chunked, fp8core.shard, fp8core.mx)."""
 from __future__ import annotations
 
 import torch
@@ -28,3 +28,15 @@ def _round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
     mantissa, exponent = torch.frexp(scale)
     exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
     return torch.ldexp(torch.ones_like(scale), exponent)
+
+
+def amax_groups(v: torch.Tensor, dims) -> torch.Tensor:
+    """The largest magnitude over ``dims`` as max(amax, -amin): two fast reductions and no |x| temporary; both
+    propagate NaN, and inf shows up as inf."""
+    return torch.maximum(v.amax(dim=dims), v.amin(dim=dims).neg())
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_max: float, pow2: bool) -> torch.Tensor:
+    """The quantizer's scale rule: ``max(amax / fp8_max, 2**-126)``, rounded up to a power of two with ``pow2``."""
+    scale = torch.clamp(amax / fp8_max, min=MIN_SCALE)
+    return _round_up_pow2(scale) if pow2 else scale

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .formats import FP8_DTYPES, FP8_MAX
+from .formats import FP8_DTYPES, FP8_MAX, amax_groups
 from .quant import NON_FINITE, NonFiniteInput, record_nonfinite
 
 __all__ = ["MX_BLOCK", "MX_RULES", "MXTensor", "mx_quantize", "mx_dequantize", "swizzle_scales", "mx_mm", "mx_linear"]
@@ -85,7 +85,7 @@ def mx_quantize(x: torch.Tensor, *, fmt: str = "e4m3", rule: str = "floor", bloc
     _check(x, fmt, rule, block)
     xf = x.detach().to(torch.float32)
     groups = xf.reshape(*xf.shape[:-1], xf.shape[-1] // block, block)
-    amax = torch.maximum(groups.amax(-1), groups.amin(-1).neg()) if groups.numel() else groups.new_zeros(groups.shape[:-1])
+    amax = amax_groups(groups, -1) if groups.numel() else groups.new_zeros(groups.shape[:-1])
     if groups.numel():
         if xf.device.type == "cpu":
             if not bool(torch.isfinite(amax).all()):

@@ -63,7 +63,8 @@ from fp8core.formats import (
     MIN_SCALE,
     NON_FINITE,
     NonFiniteInput,
-    _round_up_pow2,
+    amax_groups,
+    scale_from_amax,
 )
 from fp8core.quant_chunked import _columns, _fp8_to_fp32, _quantize_2d, _SingleThread
 
@@ -74,6 +75,7 @@ __all__ = [
     "FP8_DTYPES",
     "FP8_MAX",
     "GRANULARITIES",
+    "MIN_SCALE",
     "NON_FINITE",
     "NonFiniteInput",
     "QuantizedTensor",
@@ -207,32 +209,25 @@ def _quantize_whole(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> 
     scale_shape = _scale_shape(tuple(x.shape), granularity)  # validates the rank
     xf = x.detach().to(torch.float32)
     fp8_max = FP8_MAX[fmt]
-
-    def absmax(v: torch.Tensor, dim) -> torch.Tensor:
-        # max(amax, -amin): two fast reductions and no |x| temporary; both propagate nan, and inf shows up as inf
-        return torch.maximum(v.amax(dim=dim), v.amin(dim=dim).neg())
-
     # Groups are views of (zero-padded) x: zeros change no amax and are cropped after the division.
     if xf.numel() == 0:
         amax, view = xf.new_zeros(scale_shape), None
     elif granularity == "tensorwise":
         view = xf
-        amax = absmax(view, None)
+        amax = amax_groups(view, None)
     elif granularity == "rowwise":
         view = xf
-        amax = absmax(view, -1).unsqueeze(-1)
+        amax = amax_groups(view, -1).unsqueeze(-1)
     elif granularity == "group128":
         xp = _pad_to(xf, -1, GROUP)
         view = xp.reshape(*xp.shape[:-1], xp.shape[-1] // GROUP, GROUP)
-        amax = absmax(view, -1)
+        amax = amax_groups(view, -1)
     else:
         xp = _pad_to(_pad_to(xf, -1, GROUP), -2, GROUP)
         mb, kb = xp.shape[-2] // GROUP, xp.shape[-1] // GROUP
         view = xp.reshape(*xp.shape[:-2], mb, GROUP, kb, GROUP)
-        amax = absmax(view, (-3, -1))
-    scale = torch.clamp(amax / fp8_max, min=MIN_SCALE)
-    if pow2:
-        scale = _round_up_pow2(scale)
+        amax = amax_groups(view, (-3, -1))
+    scale = scale_from_amax(amax, fp8_max, pow2)
     assert tuple(scale.shape) == scale_shape
     if view is None:
         scaled = xf

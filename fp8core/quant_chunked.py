@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from fp8core.formats import FP8_DTYPES, FP8_MAX, GROUP, MIN_SCALE, NON_FINITE, NonFiniteInput, _round_up_pow2
+from fp8core.formats import FP8_DTYPES, FP8_MAX, GROUP, NON_FINITE, NonFiniteInput, amax_groups, scale_from_amax
 
 # The same arithmetic as quantize_reference (FP32 copy, max(amax, -amin) per group, one FP32 division by the scale,
 # clamp, torch's cast), done on row chunks of ~_CHUNK_BYTES in two reused buffers that stay in cache: the whole-tensor
@@ -71,15 +71,6 @@ class _SingleThread:
             torch.set_num_threads(self.n)
 
 
-def _amax_groups(v: torch.Tensor, dims) -> torch.Tensor:
-    return torch.maximum(v.amax(dim=dims), v.amin(dim=dims).neg())
-
-
-def _scale_from_amax(amax: torch.Tensor, fp8_max: float, pow2: bool) -> torch.Tensor:
-    scale = torch.clamp(amax / fp8_max, min=MIN_SCALE)
-    return _round_up_pow2(scale) if pow2 else scale
-
-
 def _quantize_2d(x2: torch.Tensor, granularity: str, fmt: str, pow2: bool, *, want_data: bool,
                  want_dq: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Chunked quantize of a 2-D ``[M, K]`` tensor (M, K > 0): (data or None, scale [M or Mb, G or 1 or ()],
@@ -101,8 +92,8 @@ def _quantize_2d(x2: torch.Tensor, granularity: str, fmt: str, pow2: bool, *, wa
         lut, i32 = _fp8_to_fp32_table(fmt, dev), torch.empty(rows * kp, dtype=torch.int32, device=dev)
     grid_only = want_dq and not want_data  # no FP8 codes wanted: round on the FP8 grid in FP32
     if granularity == "tensorwise":
-        amax_all = _amax_groups(x2, None).to(torch.float32)
-        scale_all = _scale_from_amax(amax_all, fp8_max, pow2)
+        amax_all = amax_groups(x2, None).to(torch.float32)
+        scale_all = scale_from_amax(amax_all, fp8_max, pow2)
     else:
         srows = -(-m // GROUP) if granularity == "block128" else m
         amax_all = torch.empty(srows, g, dtype=torch.float32, device=dev)
@@ -127,21 +118,21 @@ def _quantize_2d(x2: torch.Tensor, granularity: str, fmt: str, pow2: bool, *, wa
             v, sv, s = b, src, scale_all
         elif granularity == "rowwise":
             v, sv = b, src
-            amax = _amax_groups(src, -1).unsqueeze(-1)
-            s = _scale_from_amax(amax, fp8_max, pow2)
+            amax = amax_groups(src, -1).unsqueeze(-1)
+            s = scale_from_amax(amax, fp8_max, pow2)
             amax_all[r0: r0 + n] = amax
             scale_all[r0: r0 + n] = s
         elif granularity == "group128":
             v, sv = b.view(n, g, GROUP), src.view(n, g, GROUP)
-            amax = _amax_groups(sv, -1)
-            s = _scale_from_amax(amax, fp8_max, pow2)
+            amax = amax_groups(sv, -1)
+            s = scale_from_amax(amax, fp8_max, pow2)
             amax_all[r0: r0 + n] = amax
             scale_all[r0: r0 + n] = s
             s = s.unsqueeze(-1)
         else:
             v, sv = b.view(nb, GROUP, g, GROUP), src.view(nb, GROUP, g, GROUP)
-            amax = _amax_groups(sv, (-3, -1))
-            s = _scale_from_amax(amax, fp8_max, pow2)
+            amax = amax_groups(sv, (-3, -1))
+            s = scale_from_amax(amax, fp8_max, pow2)
             sb = r0 // GROUP
             amax_all[sb: sb + nb] = amax
             scale_all[sb: sb + nb] = s
@@ -189,8 +180,8 @@ def _columns(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> torch.T
     fp8_max, dev = FP8_MAX[fmt], x.device
     if granularity == "rowwise":
         rows = min(t, max(1, _CHUNK_BYTES // (k * 4)))
-        amax_all = _amax_groups(x, 0).to(torch.float32)  # [K]: max(amax, -amin) of each column, exact
-        scale_all = _scale_from_amax(amax_all, fp8_max, pow2)
+        amax_all = amax_groups(x, 0).to(torch.float32)  # [K]: max(amax, -amin) of each column, exact
+        scale_all = scale_from_amax(amax_all, fp8_max, pow2)
     else:
         rows = min(-(-t // GROUP) * GROUP, max(GROUP, _CHUNK_BYTES // (k * 4) // GROUP * GROUP))
         amax_all = torch.empty(-(-t // GROUP), k, dtype=torch.float32, device=dev)
@@ -209,9 +200,9 @@ def _columns(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> torch.T
             v = b.view(nb, GROUP, k)
         b[:n].copy_(x[r0: r0 + n])
         if granularity == "group128":
-            amax = _amax_groups(v, 1)
+            amax = amax_groups(v, 1)
             amax_all[r0 // GROUP: r0 // GROUP + nb] = amax
-            s = _scale_from_amax(amax, fp8_max, pow2).unsqueeze(1)
+            s = scale_from_amax(amax, fp8_max, pow2).unsqueeze(1)
         v.div_(s)
         b.clamp_(-fp8_max, fp8_max)
         _round_to_fp8_grid_(b, i32[: b.numel()].view(b.shape), fmt)

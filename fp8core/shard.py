@@ -9,7 +9,8 @@ one group of a tensorwise scale always. So quantization takes two steps with a r
    this holder does not touch are 0);
 2. the caller combines every holder's amax by elementwise maximum (``all_reduce(MAX)`` over the data-parallel
    group; nothing with one holder); zeros change no maximum, so the result is the whole tensor's amax, exactly;
-3. :func:`quantize_shard` -- the scales from that amax (the quantizer's rule) and this holder's codes.
+3. :func:`quantize_shard` -- the scales from that amax (the quantizer's rule, fp8core.formats.scale_from_amax)
+   and this holder's codes.
 
 Every step is the quantizer's own FP32 arithmetic on the same values (the division by the same scale, the same
 clamp and cast), so the codes and scales are the whole tensor's, whatever the row split (tested against quantize
@@ -23,10 +24,10 @@ import math
 
 import torch
 
-from .formats import FP8_DTYPES, FP8_MAX, GRANULARITIES, GROUP, MIN_SCALE, _round_up_pow2
+from .formats import FP8_DTYPES, FP8_MAX, GRANULARITIES, GROUP, amax_groups, scale_from_amax
 from .quant import expand_scale
 
-__all__ = ["shard_amax", "quantize_shard", "scale_from_amax"]
+__all__ = ["shard_amax", "quantize_shard"]
 
 
 def _check(x: torch.Tensor, granularity: str, row_offset: int, rows: int) -> None:
@@ -39,10 +40,9 @@ def _check(x: torch.Tensor, granularity: str, row_offset: int, rows: int) -> Non
 
 
 def _absmax(v: torch.Tensor, dim) -> torch.Tensor:
-    # as the quantizer's, except that NaN becomes inf: a maximum over holders keeps inf, where a reduction such as
+    # the quantizer's amax, except that NaN becomes inf: a maximum over holders keeps inf, where a reduction such as
     # gloo's MAX may drop a NaN (max(a, NaN) = a)
-    a = torch.maximum(v.amax(dim=dim), v.amin(dim=dim).neg())
-    return a.nan_to_num(nan=float("inf"))
+    return amax_groups(v, dim).nan_to_num(nan=float("inf"))
 
 
 def shard_amax(x: torch.Tensor, granularity: str, *, row_offset: int, rows: int) -> torch.Tensor:
@@ -76,19 +76,13 @@ def shard_amax(x: torch.Tensor, granularity: str, *, row_offset: int, rows: int)
     return out
 
 
-def scale_from_amax(amax: torch.Tensor, *, fmt: str = "e4m3", pow2: bool = False) -> torch.Tensor:
-    """The quantizer's scale rule: ``max(amax / fp8_max, 2**-126)``, rounded up to a power of two with ``pow2``."""
-    scale = torch.clamp(amax / FP8_MAX[fmt], min=MIN_SCALE)
-    return _round_up_pow2(scale) if pow2 else scale
-
-
 def quantize_shard(x: torch.Tensor, amax: torch.Tensor, granularity: str, *, row_offset: int, rows: int,
                    fmt: str = "e4m3", pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 codes of ``x``'s rows, the whole weight's scale) from the whole weight's ``amax`` (every shard's
     :func:`shard_amax` combined by maximum): rows ``[row_offset, row_offset + len(x))`` of ``quantize(weight)``'s
     data, and its scale."""
     _check(x, granularity, row_offset, rows)
-    scale = scale_from_amax(amax, fmt=fmt, pow2=pow2)
+    scale = scale_from_amax(amax, FP8_MAX[fmt], pow2)
     n, k = x.shape
     xf = x.detach().to(torch.float32)
     if granularity == "tensorwise":
