@@ -60,8 +60,9 @@ def reset_peak() -> bool:
         os.close(fd)
 
 
-def snapshot() -> dict[str, int | None]:
-    """``{"rss", "peak"}`` in bytes, plus ``cuda_allocated`` / ``cuda_peak`` on a CUDA device."""
+def snapshot(*, reset: bool = False) -> dict[str, int | None]:
+    """``{"rss", "peak"}`` in bytes, plus ``cuda_allocated`` / ``cuda_peak`` on a CUDA device; with ``reset``, taken
+    before the peak is set back to the current RSS (:func:`reset_peak`; its outcome under ``"reset"``)."""
     out: dict[str, int | None] = {"rss": rss_bytes(), "peak": peak_bytes()}
     try:
         import torch
@@ -71,6 +72,8 @@ def snapshot() -> dict[str, int | None]:
             out["cuda_peak"] = int(torch.cuda.max_memory_allocated())
     except Exception:  # noqa: BLE001
         pass
+    if reset:
+        out["reset"] = reset_peak()
     return out
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -58,10 +59,7 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * _DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * _DTYPES[self.dtype].itemsize
 
     @property
     def whole_shape(self) -> tuple[int, ...]:
@@ -79,10 +77,6 @@ class RefitGroup:
     generation: int
     device: torch.device
     store: object = None  # kept alive with the group (rank 0 hosts it)
-
-    @property
-    def is_sender(self) -> bool:
-        return self.rank < self.senders
 
 
 def node_ip() -> str:
@@ -106,11 +100,13 @@ def open_store(host: str, world: int, timeout_s: float):
 
 
 def join(address: str, *, rank: int, world: int, senders: int, generation: int, timeout_s: float,
-         device: torch.device, host: str = "127.0.0.1", store=None) -> RefitGroup:
+         device: torch.device, host: str | None = None, store=None) -> RefitGroup:
     """Form (or join) the refit group of ``generation`` at ``address``; blocks until all ``world`` members joined.
-    ``host``: this member's address for gloo's connections. ``store``: the hosted store (rank 0), else a client."""
+    ``host``: this member's address for gloo's connections (default :func:`node_ip`). ``store``: the hosted store
+    (rank 0), else a client."""
     import torch.distributed as dist
 
+    host = host or node_ip()
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         h, port = address.rsplit(":", 1)
@@ -288,7 +284,7 @@ def receive(group: RefitGroup, verdict: Callable[[list[list[list[Piece]]]], str 
     (every member then stops before any payload). ``load(items)`` consumes ``(name, whole tensor)`` pairs, bucket by
     bucket as they arrive (the engine's weight loader); a tensor's row pieces from several senders are joined.
     A bad checksum stops the loading (the rest is received and dropped) and raises after the outcome round.
-    Returns ``{"bytes": payload bytes received, "buckets": count}``."""
+    Returns ``{"bytes": payload bytes received, "buckets": count, and seconds: "wire_s", "checksum_s", "load_s"}``."""
     manifests = _exchange_manifests(group, None)
     _verdicts(group, manifest_error(manifests) or verdict(manifests), "the manifest")
     state = {"bytes": 0, "error": None}
@@ -338,12 +334,11 @@ def assemble(parts: Sequence[tuple[Piece, torch.Tensor]]) -> Iterator[tuple[str,
     by_name: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
     for p, t in parts:
         by_name.setdefault(p.name, []).append((p, t))
-    for name, group in by_name.items():
-        if len(group) == 1 and group[0][0].rows is None:
-            yield name, group[0][1]
-            continue
-        group.sort(key=lambda pt: pt[0].row_offset)
-        yield name, torch.cat([t for _, t in group]) if len(group) > 1 else group[0][1]
+    for name, pieces in by_name.items():
+        if len(pieces) == 1:
+            yield name, pieces[0][1]
+        else:
+            yield name, torch.cat([t for _, t in sorted(pieces, key=lambda pt: pt[0].row_offset)])
 
 
 def pieces_by_name(manifests: Sequence[Sequence[Sequence[Piece]]]) -> Mapping[str, list[Piece]]:

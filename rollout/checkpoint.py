@@ -54,25 +54,34 @@ def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _names_error(names: set[str], *, master_names: set[str], fp8_weight_names: set[str], precision: str
+                 ) -> tuple[bool, str | None]:
+    """``(fp8, error)`` of a refit's names (a dict's keys or the wire's manifests): whether it is an FP8 (served
+    state) refit, and the one-line reason to refuse it -- scales for an engine without FP8 layers, a name the model
+    does not have, a missing parameter -- or None."""
+    fp8 = any(n.endswith(SCALE_SUFFIX) for n in names)
+    if fp8 and not fp8_weight_names:
+        return fp8, ("refit weights carry FP8 scales (weight_scale_inv) but this engine has no FP8 layers "
+                     f"(policy.generation.vllm_cfg.precision={precision!r}); send high-precision weights")
+    expected = master_names | ({n + SCALE_SUFFIX for n in fp8_weight_names} if fp8 else set())
+    if unknown := sorted(names - expected):
+        return fp8, f"refit weights has names the model does not have: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+    if missing := sorted(expected - names):
+        return fp8, (f"refit weights lacks {len(missing)} parameters (a refit must be complete): "
+                     f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return fp8, None
+
+
 def check_refit_weights(weights, *, param_shapes: Mapping[str, tuple[int, ...]], master_names: set[str],
                         fp8_weight_names: set[str], fp8_spec, precision: str
                         ) -> tuple[list[tuple[str, torch.Tensor]], bool]:
     """Validate a refit; returns the (name, tensor) items and whether it is an FP8 (served-state) refit."""
     if not isinstance(weights, Mapping) or not weights:
         raise ValueError("weights must be a non-empty dict {HF parameter name: tensor}")
-    fp8 = any(n.endswith(SCALE_SUFFIX) for n in weights)
-    if fp8 and not fp8_weight_names:
-        raise ValueError("refit weights carry FP8 scales (weight_scale_inv) but this engine has no FP8 layers "
-                         f"(policy.generation.vllm_cfg.precision={precision!r}); send high-precision weights")
-    expected = master_names | ({n + SCALE_SUFFIX for n in fp8_weight_names} if fp8 else set())
-    unknown = sorted(set(weights) - expected)
-    if unknown:
-        raise ValueError(f"refit weights has names the model does not have: {unknown[:5]}"
-                         f"{' ...' if len(unknown) > 5 else ''}")
-    missing = sorted(expected - set(weights))
-    if missing:
-        raise ValueError(f"refit weights lacks {len(missing)} parameters (a refit must be complete): "
-                         f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    fp8, error = _names_error(set(weights), master_names=master_names, fp8_weight_names=fp8_weight_names,
+                              precision=precision)
+    if error:
+        raise ValueError(error)
     items = []
     for name, t in weights.items():
         if not isinstance(t, torch.Tensor):
@@ -125,16 +134,10 @@ def check_refit_manifest(pieces_by_name: Mapping[str, list], *, param_shapes: Ma
     from fp8core.quant import _scale_shape
 
     names = set(pieces_by_name)
-    fp8 = any(n.endswith(SCALE_SUFFIX) for n in names)
-    if fp8 and not fp8_weight_names:
-        return ("refit weights carry FP8 scales (weight_scale_inv) but this engine has no FP8 layers "
-                f"(policy.generation.vllm_cfg.precision={precision!r}); send high-precision weights")
-    expected = master_names | ({n + SCALE_SUFFIX for n in fp8_weight_names} if fp8 else set())
-    if unknown := sorted(names - expected):
-        return f"refit weights has names the model does not have: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
-    if missing := sorted(expected - names):
-        return (f"refit weights lacks {len(missing)} parameters (a refit must be complete): "
-                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    fp8, error = _names_error(names, master_names=master_names, fp8_weight_names=fp8_weight_names,
+                              precision=precision)
+    if error:
+        return error
     for name in sorted(names):
         piece = pieces_by_name[name][0]
         shape, dtype = tuple(piece.whole_shape), piece.dtype

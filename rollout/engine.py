@@ -446,11 +446,11 @@ class RolloutWorker:
     def refit_join(self, address: str, *, rank: int, world: int, senders: int, generation: int,
                    timeout_s: float) -> int:
         """Join refit group ``generation`` (process.refit_wire) as member ``rank``; returns the generation."""
-        from process.refit_wire import join, node_ip
+        from process.refit_wire import join
 
         self._refit_group = None
         self._refit_group = join(address, rank=rank, world=world, senders=senders, generation=generation,
-                                 timeout_s=timeout_s, device=self._wire_device(), host=node_ip())
+                                 timeout_s=timeout_s, device=self._device())
         return generation
 
     def refit_generation(self) -> int | None:
@@ -509,15 +509,9 @@ class RolloutWorker:
     def memory(self, *, reset: bool = False) -> dict:
         """This engine's process memory (process.memory.snapshot: ``rss``, ``peak`` since the last reset), taken
         before ``reset`` sets the peak back to the current RSS."""
-        from process.memory import reset_peak, snapshot
+        from process.memory import snapshot
 
-        out = snapshot()
-        if reset:
-            out["reset"] = reset_peak()
-        return out
-
-    def _wire_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return snapshot(reset=reset)
 
     @staticmethod
     def gather(*parts: list[dict]) -> list[dict]:

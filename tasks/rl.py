@@ -77,8 +77,9 @@ def refit(ctx: RunContext, kv_scales: dict | None = None) -> dict:
 
 def _refit_over_wire(ctx: RunContext, scales: dict | None, version: int) -> tuple[list[dict], list[dict], int]:
     """One refit over the refit group (forming it first where a member is in none or in another one): the
-    trainer ranks' and the engines' results, and the group's generation. A member that dies fails the others within the collective timeout;
-    its own death (Ray's actor error, naming it) is what is raised, so that the flow restarts a dead engine."""
+    trainer ranks' and the engines' results, and the group's generation. A member that dies fails the others within
+    the collective timeout; its own death (Ray's actor error, naming it) is what is raised, so that the flow restarts
+    a dead engine."""
     from ray.exceptions import RayActorError
 
     from trainer.policy import PolicyWorker
@@ -97,15 +98,14 @@ def _refit_over_wire(ctx: RunContext, scales: dict | None, version: int) -> tupl
     refs = (policy_refs(ctx.trainers, PolicyWorker.refit_to_wire)
             + [actor(n).refit_from_wire.remote(scales, weights_version=version) for n in ctx.rollouts])
     wait(refs)
-    errors = []
+    out, errors = [], []
     for ref in refs:
         try:
-            ray.get(ref)
+            out.append(ray.get(ref))
         except Exception as e:  # noqa: BLE001 - every member's outcome is read before one is raised
             errors.append(e)
     if errors:
         raise next((e for e in errors if isinstance(e, RayActorError)), errors[0])
-    out = ray.get(refs)
     return out[:len(ctx.trainers)], out[len(ctx.trainers):], gen
 
 

@@ -178,6 +178,23 @@ def predict_peak(shape: ModelShape, *, world: int, micro_batch_tokens: int, micr
     return terms
 
 
+def _layer_bytes(shape: ModelShape, fp8: bool) -> float:
+    """One decoder layer as the engine holds it: its linears 1 B per parameter + an FP32 scale per 128x128 block
+    when FP8 (2 B otherwise), norms 2 B, the router 4 B."""
+    router = shape.hidden * shape.experts
+    linear = shape.attention_params + shape.mlp_params
+    if not fp8:
+        return 2 * (shape.layer_params - router) + F32 * router
+    return linear * (1 + F32 / (128 * 128)) + 2 * (shape.layer_params - linear - router) + F32 * router
+
+
+def served_bytes(shape: ModelShape, fp8_layers: int) -> float:
+    """The served state's bytes (fp8core.serve): what an engine holds and a refit ships -- ``fp8_layers`` FP8
+    decoder layers, the rest BF16, embeddings, final norm and output projection BF16."""
+    return (fp8_layers * _layer_bytes(shape, True) + (shape.layers - fp8_layers) * _layer_bytes(shape, False)
+            + 2 * shape.root_params)
+
+
 def predict_engine(shape: ModelShape, *, fp8_layers: int, kv_bytes_per_token: int, gpu_bytes: float,
                    utilization: float) -> dict[str, float]:
     """A rollout engine's memory on one GPU (bytes): its weights as the FP8 engine holds them on the scaled_mm path
@@ -187,8 +204,7 @@ def predict_engine(shape: ModelShape, *, fp8_layers: int, kv_bytes_per_token: in
     (``utilization`` x the GPU) leaves for the KV cache, in tokens. vLLM's activation workspace and CUDA graphs come
     out of that budget too and are not counted (vLLM profiles them at start-up)."""
     fp8 = fp8_layers * (shape.attention_params + shape.mlp_params)
-    router = shape.layers * shape.hidden * shape.experts
-    weights = fp8 * (1 + F32 / (128 * 128)) + 2 * (shape.params - fp8 - router) + F32 * router
+    weights = served_bytes(shape, fp8_layers)
     kv_room = utilization * gpu_bytes - weights
     return {"fp8_params": float(fp8), "weights": float(weights), "budget": utilization * gpu_bytes,
             "kv_room": kv_room, "kv_tokens": max(0.0, kv_room) / kv_bytes_per_token}
@@ -198,21 +214,17 @@ def predict_refit(shape: ModelShape, *, fp8_layers: int, engines: int, trainers:
     """One refit's bytes and the memory it adds per process (bytes), for both transports (cluster.refit_transport),
     from the model's shape: what bench.refit measures on CPU at 2.9M-103M, extrapolated (seconds are not).
 
-    Served state S: the engine's weights (:func:`predict_engine`). Buckets: each decoder layer (FP8 linears 1 B per
+    Served state S: the engine's weights (:func:`served_bytes`). Buckets: each decoder layer (FP8 linears 1 B per
     parameter + block scales, or BF16), then the embeddings and the output projection one each (BF16). Collective:
     N x S cross between processes (each sender's share to each engine); a trainer rank adds ~2 of its 1/M shares of
     the largest bucket (its quantized tensors and its send buffer); an engine ~2 largest buckets (the M pieces and their joined
     tensors) plus the loader's FP32 staging of the largest FP8 layer (4 B per code). Object store: rank 0 gathers the
     FP32 state (4 B x P x (M - 1) / M cross) and holds it with S and S's serialized copy (4 P + 2 S); each of the N
     engines fetches S and holds it with the same staging."""
-    fp8_layer = shape.attention_params + shape.mlp_params
-    weights = predict_engine(shape, fp8_layers=fp8_layers, kv_bytes_per_token=1, gpu_bytes=0.0, utilization=0.0)
-    served = weights["weights"]
-    layer_fp8 = fp8_layer * (1 + F32 / (128 * 128)) + 2 * (shape.layer_params - fp8_layer)
-    layer_bf16 = 2 * shape.layer_params
-    embed = 2 * shape.vocab * shape.hidden
-    largest = max(layer_fp8 if fp8_layers else 0.0, layer_bf16 if fp8_layers < shape.layers else 0.0, embed)
-    staging = F32 * fp8_layer if fp8_layers else 0.0
+    served = served_bytes(shape, fp8_layers)
+    largest = max(_layer_bytes(shape, True) if fp8_layers else 0.0,
+                  _layer_bytes(shape, False) if fp8_layers < shape.layers else 0.0, 2 * shape.vocab * shape.hidden)
+    staging = F32 * (shape.attention_params + shape.mlp_params) if fp8_layers else 0.0
     return {"served": served, "largest_bucket": largest,
             "moved_collective": engines * served,
             "moved_object_store": F32 * shape.params * (trainers - 1) / trainers + engines * served,

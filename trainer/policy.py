@@ -196,12 +196,9 @@ class PolicyWorker:
     def memory(self, *, reset: bool = False) -> dict:
         """This rank's process memory (process.memory.snapshot: ``rss``, ``peak`` since the last reset, CUDA's
         allocator on a GPU), taken before ``reset`` sets the peak back to the current RSS."""
-        from process.memory import reset_peak, snapshot
+        from process.memory import snapshot
 
-        out = snapshot()
-        if reset:
-            out["reset"] = reset_peak()
-        return out
+        return snapshot(reset=reset)
 
     def bounds(self) -> tuple[float, float]:
         if self.cc is not None:
@@ -223,8 +220,7 @@ class PolicyWorker:
         == trainer_fp8_spec): the served state (fp8core.serve: this trainer's FP8 codes + weight_scale_inv for the
         FP8 linears, BF16 -- the engine's model dtype -- for the rest), loaded by the engine without re-quantizing.
         Otherwise the FP32 masters (``weights()``), which an FP8-generation-only engine quantizes itself."""
-        trainer, rollout = self.cfg.trainer_fp8_spec(), self.cfg.rollout_fp8_spec()
-        if trainer is not None and rollout is not None and trainer.forward_key() == rollout.forward_key():
+        if self._serves_fp8():
             from fp8core.serve import served_state_dict
 
             state = full_state(self)  # data-parallel: full on rank 0 only, quantized there (no layer gathered)
@@ -232,6 +228,12 @@ class PolicyWorker:
             # FP8 codes travel as their bytes (uint8): pickling float8 tensors fails in torch 2.13, and Ray pickles
             return {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in served.items()}
         return self.weights()
+
+    def _serves_fp8(self) -> bool:
+        """Whether a refit ships the served FP8 state (the engine runs this trainer's FP8 numerics,
+        Config.rollout_fp8_spec == trainer_fp8_spec) rather than the FP32 masters."""
+        trainer, rollout = self.cfg.trainer_fp8_spec(), self.cfg.rollout_fp8_spec()
+        return trainer is not None and rollout is not None and trainer.forward_key() == rollout.forward_key()
 
     # ------------------------------------------------------------------------------------------ refit over the wire
     def refit_open_store(self, world: int, timeout_s: float) -> str:
@@ -244,11 +246,11 @@ class PolicyWorker:
     def refit_join(self, address: str, *, rank: int, world: int, senders: int, generation: int,
                    timeout_s: float) -> int:
         """Join refit group ``generation`` as sender ``rank`` (this data-parallel rank); returns the generation."""
-        from process.refit_wire import join, node_ip
+        from process.refit_wire import join
 
         self._refit_group = None
         self._refit_group = join(address, rank=rank, world=world, senders=senders, generation=generation,
-                                 timeout_s=timeout_s, device=self.device, host=node_ip(),
+                                 timeout_s=timeout_s, device=self.device,
                                  store=getattr(self, "_refit_store", None) if rank == 0 else None)
         return generation
 
@@ -270,8 +272,6 @@ class PolicyWorker:
         if group is None:
             raise RuntimeError("refit: this trainer rank is in no refit group (refit_join first)")
         t0 = time.perf_counter()
-        trainer, rollout = self.cfg.trainer_fp8_spec(), self.cfg.rollout_fp8_spec()
-        fp8 = trainer is not None and rollout is not None and trainer.forward_key() == rollout.forward_key()
         reduce = None
         if self.dp.active:
             import torch.distributed as dist
@@ -279,7 +279,7 @@ class PolicyWorker:
             def reduce(t: torch.Tensor) -> None:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
         with torch.no_grad():
-            shard = ServedShard(self.model, fp8=fp8, rank=self.dp.rank, world=self.dp.world, all_reduce_max=reduce)
+            shard = ServedShard(self.model, fp8=self._serves_fp8(), rank=self.dp.rank, world=self.dp.world, all_reduce_max=reduce)
             moved = send(group, shard.manifest, shard.tensors, error=shard.error)
         return {"seconds": time.perf_counter() - t0, **moved}
 

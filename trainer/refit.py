@@ -83,29 +83,23 @@ class ServedShard:
             if entry not in split:  # fused experts: the experts this rank holds, whole, renumbered globally
                 for name, view in _renumber(split, start).items():
                     self._whole(name, view, recipes.get(name), fp32)
-                continue
-            config = recipes.get(entry)
-            if not is_shard or config is None or local.dim() != 2:
-                if not is_shard:
-                    self._whole(entry, local, config, fp32)
-                    continue
+            elif not is_shard:
+                self._whole(entry, local, recipes.get(entry), fp32)
+            elif (config := recipes.get(entry)) is None or local.dim() != 2:  # this rank's rows, high precision
+                self._check_finite(entry, local)
                 hp = torch.float32 if (not fp8 or entry in fp32) else torch.bfloat16
                 self._add(entry, ("hp", local, hp), Piece(entry, _dt(hp), tuple(local.shape), start, t.shape[0]))
-                self._check_finite(entry, local)
-                continue
-            sharded.append((entry, local, start, t.shape[0], WEIGHT_GRANULARITY[config.recipe], config))
-        self._amax = self._reduce_amax(sharded, all_reduce_max)
+            else:
+                sharded.append((entry, local, start, t.shape[0], WEIGHT_GRANULARITY[config.recipe], config))
+        whole_amax = self._reduce_amax(sharded, all_reduce_max)
         for name, local, start, rows, gran, config in sharded:
-            amax = self._amax[name]
+            amax = whole_amax[name]
             if self.error is None and not bool(torch.isfinite(amax).all()):
                 self.error = f"refit: {name} has non-finite values (its FP8 amax over the data-parallel ranks)"
-            b = self._bucket(name)
-            self._add(name, ("shard", local, amax, gran, start, rows, config.pow2_weight),
+            self._add(name, ("shard", name, local, amax, gran, start, rows, config.pow2_weight),
                       Piece(name, "uint8", tuple(local.shape), start, rows))
-            if rank == 0:
-                shape = _scale_shape((rows, local.shape[1]), gran)
-                self._jobs[b].append(("scale_of", name))
-                self.manifest[b].append(Piece(name + SCALE_SUFFIX, "float32", tuple(shape)))
+            if rank == 0:  # the whole weight's scale, the same on every rank
+                self._add_scale(name, _scale_shape((rows, local.shape[1]), gran))
 
     def _bucket(self, name: str) -> int:
         return bucket_of(name, self._layers, self._others)
@@ -115,23 +109,25 @@ class ServedShard:
         self._jobs[b].append(job)
         self.manifest[b].append(piece)
 
+    def _add_scale(self, name: str, shape) -> None:
+        """The scale of FP8 weight ``name``, in its weight's bucket right after the codes that compute it."""
+        b = self._bucket(name)
+        self._jobs[b].append(("scale_of", name, tuple(shape)))
+        self.manifest[b].append(Piece(name + SCALE_SUFFIX, "float32", tuple(shape)))
+
     def _check_finite(self, name: str, t: torch.Tensor) -> None:
         if self.error is None and not bool(torch.isfinite(t).all()):
             self.error = f"refit: {name} has non-finite values (trainer rank {self.rank})"
 
     def _whole(self, name: str, t: torch.Tensor, config, fp32: set[str]) -> None:
         """A tensor this rank holds whole: an FP8 weight as codes + scale (quantize), else high precision."""
+        self._check_finite(name, t)  # for an FP8 weight: quantize would raise later, after the verdict round
         if config is None:
             hp = torch.float32 if (not self.fp8 or name in fp32) else torch.bfloat16
             self._add(name, ("hp", t, hp), Piece(name, _dt(hp), tuple(t.shape)))
-            self._check_finite(name, t)
             return
-        self._check_finite(name, t)  # quantize would raise later, after the verdict round
-        gran = WEIGHT_GRANULARITY[config.recipe]
-        self._add(name, ("whole_fp8", t, config), Piece(name, "uint8", tuple(t.shape)))
-        b = self._bucket(name)
-        self._jobs[b].append(("scale_of", name))
-        self.manifest[b].append(Piece(name + SCALE_SUFFIX, "float32", tuple(_scale_shape(tuple(t.shape), gran))))
+        self._add(name, ("whole_fp8", name, t, config), Piece(name, "uint8", tuple(t.shape)))
+        self._add_scale(name, _scale_shape(tuple(t.shape), WEIGHT_GRANULARITY[config.recipe]))
 
     def _reduce_amax(self, sharded, all_reduce_max) -> dict[str, torch.Tensor]:
         """Every sharded FP8 weight's whole amax: this rank's on the whole scale grid, all of them in one
@@ -151,22 +147,23 @@ class ServedShard:
     def tensors(self, b: int) -> list[torch.Tensor]:
         """Bucket ``b``'s tensors, quantized now, in the manifest's order."""
         out: list[torch.Tensor] = []
-        scales: dict[str, torch.Tensor] = {}
+        scales: dict[str, torch.Tensor] = {}  # of the FP8 weights quantized so far in this bucket
         for job in self._jobs[b]:
             kind = job[0]
             if kind == "hp":
                 out.append(job[1].detach().to(job[2]))
             elif kind == "whole_fp8":
-                q = WeightCache().get(job[1], job[2])[0]
+                _, name, weight, config = job
+                q = WeightCache().get(weight, config)[0]
                 out.append(q.data.view(torch.uint8))
-                scales[self.manifest[b][len(out) - 1].name] = q.scale
+                scales[name] = q.scale
             elif kind == "shard":
-                _, local, amax, gran, start, rows, pow2 = job
-                codes, scale = quantize_shard(local, amax, gran, row_offset=start, rows=rows, pow2=pow2)
+                _, name, local, amax, gran, start, rows, pow2 = job
+                codes, scales[name] = quantize_shard(local, amax, gran, row_offset=start, rows=rows, pow2=pow2)
                 out.append(codes.view(torch.uint8))
-                scales[self.manifest[b][len(out) - 1].name] = scale
-            else:  # the scale of the FP8 weight named just before it
-                out.append(scales[job[1]].reshape(self.manifest[b][len(out)].shape).float())
+            else:  # "scale_of": the scale of the FP8 weight named, computed just before it
+                _, name, shape = job
+                out.append(scales[name].reshape(shape).float())
         return out
 
 
