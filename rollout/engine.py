@@ -151,6 +151,8 @@ class RolloutWorker:
         self._kv_scales: dict[str, list[float]] | None = None
         self._last_stats = {"tokens_per_s": None, "generated_tokens": 0, "wall_s": None}
         self._last_refit_s: float | None = None
+        self._inplace_refit = True  # served FP8 refits copied in place (rollout/inplace_refit.py) where they can be
+        self._last_refit_loader: str | None = None
         self._weights_version: int | None = None  # the policy step of the loaded weights (None: model_dir's)
         self.hooks = hooks  # TEST-ONLY (process/faults.py): handed in by the flow, None in a real run
         # vllm_cfg.threads (the actor's OMP_NUM_THREADS), at most one per CPU this process may use; the engine keeps
@@ -434,13 +436,32 @@ class RolloutWorker:
         if self.hooks is not None and self.hooks.skip_refit(weights_version):  # TEST-ONLY: a missed refit
             return 0.0
         t0 = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        load, finish = self._refit_loader([n for n, _ in items])
+        load(items)
+        finish()
         if scales is not None:
             self._apply_kv_scales(scales)
         self.llm.reset_prefix_cache()
         self._weights_version = weights_version
         self._last_refit_s = time.perf_counter() - t0
         return self._last_refit_s
+
+    def _refit_loader(self, names) -> tuple:
+        """``(load(items), finish())`` for a refit carrying ``names``: the served FP8 state copied in place into the
+        engine's parameters (rollout/inplace_refit.py) where every name has a home there, else vLLM's layerwise
+        ``reload_weights`` (which also takes FP32 masters and every staged method). ``stats()['refit_loader']``
+        says which ran last."""
+        from rollout.inplace_refit import plan
+
+        inplace = self.llm.apply_model(lambda model: plan(model, names))[0] if self._inplace_refit else None
+        self._last_refit_loader = "in_place" if inplace is not None else "vllm_reload"
+        if inplace is None:
+            def reload(items) -> None:
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+
+            return reload, lambda: None
+        return (lambda items: self.llm.apply_model(lambda _model: inplace.load(items))), inplace.finish
 
     # ------------------------------------------------------------------ refit over the wire
     def refit_join(self, address: str, *, rank: int, world: int, senders: int, generation: int,
@@ -478,10 +499,16 @@ class RolloutWorker:
         skip = self.hooks is not None and self.hooks.skip_refit(weights_version)  # TEST-ONLY: a missed refit
         fp8_names = self.fp8_weight_names
 
+        loader = []  # (load, finish), chosen from the manifests' names once they pass
+
         def verdict(manifests) -> str | None:
-            return early or check_refit_manifest(
-                pieces_by_name(manifests), param_shapes=self.param_shapes, master_names=self.master_names,
+            by_name = pieces_by_name(manifests)
+            error = early or check_refit_manifest(
+                by_name, param_shapes=self.param_shapes, master_names=self.master_names,
                 fp8_weight_names=fp8_names, fp8_spec=self.fp8, precision=self.vllm.precision)
+            if error is None and not skip:
+                loader.append(self._refit_loader(by_name))
+            return error
 
         def load(items) -> None:
             if skip:
@@ -494,11 +521,12 @@ class RolloutWorker:
                         self.hooks.kill_point()  # TEST-ONLY: an armed engine dies mid-refit (process/faults.py)
                     yield n, (t.view(torch.float8_e4m3fn) if t.dtype == torch.uint8 and n in fp8_names else t)
 
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": typed(), "is_checkpoint_format": True})
+            loader[0][0](typed())
 
         t0 = time.perf_counter()
         moved = receive(group, verdict, load)
         if not skip:
+            loader[0][1]()
             if scales is not None:
                 self._apply_kv_scales(scales)
             self.llm.reset_prefix_cache()
@@ -564,6 +592,7 @@ class RolloutWorker:
             "last_generate_s": self._last_stats["wall_s"],
             "last_routing_s": self._last_stats.get("routing_s"),  # MoE routing capture after the last generate
             "last_refit_s": self._last_refit_s,
+            "refit_loader": self._last_refit_loader,  # in_place | vllm_reload (rollout/inplace_refit.py)
             "weights_version": self._weights_version,
             "last_weights_version": self._last_stats.get("weights_version"),  # the weights the last generate ran on
             "engine_start_s": self.start_s,

@@ -298,6 +298,24 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
         layer.fp8core_weight_dq = torch.cat([dequantize(q) for q in parts], 0) if backend == "emulated" else None
         layer.fp8core_packed = pack_weight(parts, self.config.recipe) if backend == "cpu" else None
 
+    def copy_partition(self, layer: torch.nn.Module, i: int, *, codes: torch.Tensor | None = None,
+                       scale: torch.Tensor | None = None) -> None:
+        """A served refit's partition ``i`` (FP8 codes, as float8 or their bytes, or its ``weight_scale_inv``)
+        copied in place into the layer's rows of ``weight`` / ``weight_scale_inv`` (rollout/inplace_refit.py); the
+        GEMM's form follows with :meth:`_prepare_gemm` once every partition is in."""
+        widths, gran = layer.logical_widths, self.config.weight_granularity
+        if codes is not None:
+            row = sum(widths[:i])
+            dst = layer.weight.data[row:row + widths[i]].view(torch.uint8)
+            if tuple(codes.shape) != tuple(dst.shape):
+                raise ValueError(f"partition {i}: codes {tuple(codes.shape)}, the layer holds {tuple(dst.shape)}")
+            dst.copy_(codes.view(torch.uint8))
+        if scale is not None:
+            dst = layer.weight_scale_inv.data[_scale_rows(gran, widths, i)]
+            if scale.numel() != dst.numel():
+                raise ValueError(f"partition {i}: {scale.numel()} scales, the {gran} layout holds {dst.numel()}")
+            dst.copy_(scale.reshape(dst.shape))
+
     def partitions(self, layer: torch.nn.Module) -> list[QuantizedTensor]:
         """The layer's FP8 weight as one QuantizedTensor per logical partition (views, no copies)."""
         gran = self.config.weight_granularity

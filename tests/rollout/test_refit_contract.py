@@ -308,3 +308,56 @@ def test_a_refit_over_the_wire_refused_by_the_engine_loads_nothing(model_dir, tm
         assert torch.equal(y_engine, y_trainer) and not torch.equal(y_engine, before)
     finally:
         engine.shutdown()
+
+
+def _engine_state(engine) -> tuple[dict, dict]:
+    """Every engine parameter (FP8 as bytes) and every FP8 linear's output on one fixed BF16 input (what the GEMM
+    reads from its packed or dequantized form, not only the codes)."""
+    def read(model):
+        params = {n: (p.detach().view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p.detach()).clone()
+                  for n, p in model.named_parameters()}
+        outs = {}
+        for n, m in model.named_modules():
+            if hasattr(getattr(m, "quant_method", None), "partitions"):
+                x = torch.randn(5, m.input_size_per_partition, generator=torch.Generator().manual_seed(1))
+                outs[n] = m.quant_method.apply(m, x.to(torch.bfloat16))
+        return params, outs
+
+    return engine.llm.apply_model(read)[0]
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("recipe,pow2,first,last", [("blockwise", True, 1, 1), ("rowwise", False, 0, 1)])
+def test_in_place_refit_equals_vllms_reload(model_dir, tmp_path, recipe, pow2, first, last):
+    """A served refit copied in place (rollout/inplace_refit.py, the default) leaves every engine parameter and
+    every FP8 linear's output what vLLM's layerwise reload leaves, from a different engine state each time; a refit
+    of FP32 masters keeps vLLM's reload."""
+    cfg = _cfg(tmp_path, recipe, pow2, first, last)
+    policy, engine = _trained_policy_and_engine(model_dir, cfg)
+    try:
+        payload = policy.refit_weights()
+        other = {n: (torch.zeros_like(t) if t.dtype == torch.uint8 else  # codes 0, scales 1, the rest halved
+                     torch.ones_like(t) if n.endswith("_scale_inv") else t / 2) for n, t in payload.items()}
+        before = _engine_state(engine)
+        engine.refit(payload, weights_version=1)
+        assert engine.stats()["refit_loader"] == "in_place"
+        in_place = _engine_state(engine)
+        assert not _same(in_place[0], before[0]) and not _same(in_place[1], before[1])
+        _assert_engine_holds_trainer_fp8(policy, engine, first, last)
+        engine.refit(other, weights_version=1)
+        moved = _engine_state(engine)
+        assert not _same(moved[0], in_place[0]) and not _same(moved[1], in_place[1])
+        engine._inplace_refit = False
+        engine.refit(payload, weights_version=1)
+        assert engine.stats()["refit_loader"] == "vllm_reload"
+        reloaded = _engine_state(engine)
+        assert _same(reloaded[0], in_place[0]) and _same(reloaded[1], in_place[1])
+        engine._inplace_refit = True
+        engine.refit(policy.weights(), weights_version=1)  # FP32 masters: the engine quantizes them (vLLM's reload)
+        assert engine.stats()["refit_loader"] == "vllm_reload"
+        assert _same(_engine_state(engine)[1], in_place[1])
+    finally:
+        engine.shutdown()
