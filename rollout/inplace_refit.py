@@ -10,61 +10,90 @@ weight, the emulation's dequantized one; nothing for scaled_mm) once per layer, 
 The tensors outside the FP8 layers (embeddings, norms, the output projection, BF16-kept layers on vLLM's own
 unquantized method) go through the model's own ``load_weights``, which copies in place too.
 
+MoE experts likewise: each expert's gate / up / down codes and scales into its rows of the layer's ``w13`` / ``w2``,
+the packed experts rebuilt once the layer's last one is in; the FP32 router loads in place through its own loader.
+
 It applies when every name of the refit has such a home (:func:`plan` says so up front, from the names alone);
-anything else -- FP32 masters to an engine that quantizes them itself, MoE experts, layers on a staged method (the
-emulated BF16 ones, the FP32 router), a model vLLM runs in other processes -- keeps vLLM's reload, which handles
-every form. Both give the same parameters bit for bit (tests/rollout/test_refit_contract.py).
+anything else -- FP32 masters to an engine that quantizes them itself, layers on a staged method (the emulated BF16
+ones) -- keeps vLLM's reload, which handles every form. Both give the same parameters bit for bit
+(tests/rollout/test_refit_contract.py, tests/rollout/test_vllm_fp8_moe.py).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
 from rollout.checkpoint import SCALE_SUFFIX
 
+_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
-def _fp8_method(module: torch.nn.Module):
-    from rollout.vllm_fp8 import Fp8CoreLinearMethod
 
+def _method(module: torch.nn.Module):
+    """The module's method where this loader copies into it (the FP8 linears and experts, the BF16 experts: they
+    declare ``refit_kinds``), else None."""
     method = getattr(module, "quant_method", None)
-    return method if isinstance(method, Fp8CoreLinearMethod) else None
+    return method if hasattr(method, "refit_kinds") else None
 
 
 def _loads_as_is(module: torch.nn.Module) -> bool:
-    """A module whose parameters vLLM's own loaders fill in place and use as loaded: no quant method (norms) or
-    vLLM's unquantized linear / embedding methods (not a staged subclass)."""
+    """A module whose parameters vLLM's loaders fill in place and use as loaded: no quant method (norms), vLLM's
+    unquantized linear / embedding methods (not a staged subclass), the FP32 router (its staging is its weight)."""
     method = getattr(module, "quant_method", None)
     if method is None:
         return True
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    return type(method) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    from rollout.vllm_bf16 import Fp32GateLinearMethod
+
+    return type(method) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod, Fp32GateLinearMethod)
 
 
-def _resolve(modules: dict[str, torch.nn.Module], packed: dict[str, list[str]], name: str
-             ) -> tuple[str, torch.nn.Module, int | None] | None:
-    """An HF parameter name's module in the vLLM model and its partition there (q/k/v of qkv_proj, gate/up of
-    gate_up_proj through the model's ``packed_modules_mapping``; None when unfused), or None."""
-    prefix, _, _leaf = name.rpartition(".")
-    if prefix in modules:
-        return prefix, modules[prefix], None
-    parent, _, sub = prefix.rpartition(".")
-    for fused, parts in packed.items():
-        if sub in parts and f"{parent}.{fused}" in modules:
-            return f"{parent}.{fused}", modules[f"{parent}.{fused}"], parts.index(sub)
-    return None
+class _Target(NamedTuple):
+    key: str  # the module's name: its GEMM form is rebuilt once every piece of ``needs`` is in
+    module: torch.nn.Module
+    piece: tuple  # (partition,) of a dense layer, (expert, projection) of an experts layer
+    needs: frozenset  # every (piece..., "weight" | "scale") the module takes
+
+
+def _resolve(modules: dict[str, torch.nn.Module], packed: dict[str, list[str]], weight: str) -> _Target | None:
+    """An HF weight name's module in the vLLM model and its piece there: the partition of a fused layer (q/k/v of
+    qkv_proj, gate/up of gate_up_proj through the model's ``packed_modules_mapping``; 0 when unfused) or the expert
+    and projection of an experts layer; None where the model has no such module."""
+    if (m := _EXPERT.match(weight)) and m["layer"] in modules:
+        module = next((sub for sub in modules[m["layer"]].modules() if hasattr(sub, "w13_weight")), None)
+        if module is None:
+            return None
+        n = module.w13_weight.shape[0]
+        kinds = getattr(module.quant_method, "refit_kinds", ())
+        needs = frozenset((e, p, k) for e in range(n) for p in ("gate", "up", "down") for k in kinds)
+        return _Target(m["layer"], module, (int(m["e"]), m["proj"]), needs)
+    prefix = weight.rpartition(".")[0]
+    key, part = (prefix, 0) if prefix in modules else (None, None)
+    if key is None:
+        parent, _, sub = prefix.rpartition(".")
+        for fused, parts in packed.items():
+            if sub in parts and f"{parent}.{fused}" in modules:
+                key, part = f"{parent}.{fused}", parts.index(sub)
+                break
+        else:
+            return None
+    module = modules[key]
+    widths, kinds = getattr(module, "logical_widths", None) or [0], getattr(_method(module), "refit_kinds", ())
+    return _Target(key, module, (part,), frozenset((i, k) for i in range(len(widths)) for k in kinds))
 
 
 class InPlaceRefit:
     """One refit's in-place load (module docstring): :meth:`load` per bucket of (name, tensor) items, in any order
-    and split anywhere; :meth:`finish` once, which fails if an FP8 layer did not get every partition."""
+    and split anywhere; :meth:`finish` once, which fails if an FP8 layer did not get every piece."""
 
-    def __init__(self, model: torch.nn.Module, targets: dict[str, tuple[str, torch.nn.Module, int | None]]):
+    def __init__(self, model: torch.nn.Module, targets: dict[str, _Target]):
         self.model = model
-        self.targets = targets  # FP8-layer names only; the rest goes to model.load_weights
-        self.pending: dict[str, set[tuple[int, str]]] = {}
+        self.targets = targets  # the FP8 layers' names only; the rest goes to model.load_weights
+        self.pending: dict[str, set] = {}
 
     def load(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
         plain = []
@@ -73,23 +102,21 @@ class InPlaceRefit:
             if target is None:
                 plain.append((name, tensor))
                 continue
-            key, module, part = target
-            method = _fp8_method(module)
-            is_scale = name.endswith(SCALE_SUFFIX)
-            method.copy_partition(module, part or 0, **({"scale": tensor} if is_scale else {"codes": tensor}))
-            todo = self.pending.setdefault(key, {(i, kind) for i in range(len(module.logical_widths))
-                                                 for kind in ("codes", "scale")})
-            todo.discard((part or 0, "scale" if is_scale else "codes"))
+            kind = "scale" if name.endswith(SCALE_SUFFIX) else "weight"
+            method = _method(target.module)
+            copy = method.copy_expert if len(target.piece) == 2 else method.copy_partition
+            copy(target.module, *target.piece, **{kind: tensor})
+            todo = self.pending.setdefault(target.key, set(target.needs))
+            todo.discard((*target.piece, kind))
             if not todo:
-                method._prepare_gemm(module)
-                self.pending[key] = set()
+                method._prepare_gemm(target.module)
         if plain:
             self.model.load_weights(iter(plain))
 
     def finish(self) -> None:
         if partial := sorted(key for key, todo in self.pending.items() if todo):
-            raise RuntimeError(f"refit: FP8 layers {partial[:3]} did not receive every partition's codes and "
-                               "scales; their weights are mixed until the next complete refit")
+            raise RuntimeError(f"refit: FP8 layers {partial[:3]} did not receive every piece's codes and scales; "
+                               "their weights are mixed until the next complete refit")
 
 
 def plan(model: torch.nn.Module, names: Iterable[str]) -> InPlaceRefit | None:
@@ -100,15 +127,14 @@ def plan(model: torch.nn.Module, names: Iterable[str]) -> InPlaceRefit | None:
     names = set(names)
     targets = {}
     for name in names:
-        found = _resolve(modules, packed, name)
-        if found is None:
+        weight = name[:-len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
+        target = _resolve(modules, packed, weight)
+        if target is None:
             return None
-        _key, module, _part = found
-        if _fp8_method(module) is not None:
-            weight = name[:-len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
-            if weight + SCALE_SUFFIX not in names or not weight.endswith(".weight"):
+        if (method := _method(target.module)) is not None:
+            if not weight.endswith(".weight") or ("scale" in method.refit_kinds) != (weight + SCALE_SUFFIX in names):
                 return None  # high-precision weights for an FP8 layer: it quantizes them itself (vLLM's reload)
-            targets[name] = found
-        elif not _loads_as_is(module):
+            targets[name] = target
+        elif not _loads_as_is(target.module):
             return None
     return InPlaceRefit(model, targets)

@@ -217,6 +217,22 @@ class Bf16EmulatedMoEMethod(FusedMoEMethodBase):
         layer.w2_weight = Parameter(round_bf16(layer.w2_weight.data), requires_grad=False)
         layer.fp8core_rounded = True
 
+    refit_kinds = ("weight",)  # what an in-place refit brings per piece (rollout/inplace_refit.py)
+
+    def copy_expert(self, layer: torch.nn.Module, e: int, proj: str, *, weight: torch.Tensor) -> None:
+        """A refit's expert ``e`` projection ``proj`` (gate / up / down) copied in place into its rows of the
+        layer's weights, BF16-rounded as :meth:`process_weights_after_loading` rounds (rollout/inplace_refit.py)."""
+        inter = layer.fp8core_inter
+        dst = (layer.w2_weight.data[e] if proj == "down" else
+               layer.w13_weight.data[e, :inter] if proj == "gate" else layer.w13_weight.data[e, inter:])
+        if tuple(weight.shape) != tuple(dst.shape):
+            raise ValueError(f"expert {e} {proj}: {tuple(weight.shape)}, the layer holds {tuple(dst.shape)}")
+        dst.copy_(round_bf16(weight.to(torch.float32)))
+
+    def _prepare_gemm(self, layer: torch.nn.Module) -> None:
+        """Nothing beyond the rounded weights themselves (the dense FP8 / experts methods rebuild their packed form
+        here)."""
+
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               shared_experts=None, shared_experts_input=None) -> torch.Tensor:
         return torch.ops.fp8core_engine.experts(x, topk_weights, topk_ids, self.key)

@@ -298,18 +298,20 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
         layer.fp8core_weight_dq = torch.cat([dequantize(q) for q in parts], 0) if backend == "emulated" else None
         layer.fp8core_packed = pack_weight(parts, self.config.recipe) if backend == "cpu" else None
 
-    def copy_partition(self, layer: torch.nn.Module, i: int, *, codes: torch.Tensor | None = None,
+    refit_kinds = ("weight", "scale")  # what an in-place refit brings per piece (rollout/inplace_refit.py)
+
+    def copy_partition(self, layer: torch.nn.Module, i: int, *, weight: torch.Tensor | None = None,
                        scale: torch.Tensor | None = None) -> None:
-        """A served refit's partition ``i`` (FP8 codes, as float8 or their bytes, or its ``weight_scale_inv``)
+        """A served refit's partition ``i`` (its FP8 codes, as float8 or their bytes, and/or its ``weight_scale_inv``)
         copied in place into the layer's rows of ``weight`` / ``weight_scale_inv`` (rollout/inplace_refit.py); the
         GEMM's form follows with :meth:`_prepare_gemm` once every partition is in."""
         widths, gran = layer.logical_widths, self.config.weight_granularity
-        if codes is not None:
+        if weight is not None:
             row = sum(widths[:i])
             dst = layer.weight.data[row:row + widths[i]].view(torch.uint8)
-            if tuple(codes.shape) != tuple(dst.shape):
-                raise ValueError(f"partition {i}: codes {tuple(codes.shape)}, the layer holds {tuple(dst.shape)}")
-            dst.copy_(codes.view(torch.uint8))
+            if tuple(weight.shape) != tuple(dst.shape):
+                raise ValueError(f"partition {i}: codes {tuple(weight.shape)}, the layer holds {tuple(dst.shape)}")
+            dst.copy_(weight.view(torch.uint8))
         if scale is not None:
             dst = layer.weight_scale_inv.data[_scale_rows(gran, widths, i)]
             if scale.numel() != dst.numel():
@@ -420,6 +422,22 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
                 "up": QuantizedTensor(w13[e, inter:], sc13[_scale_rows(gran, [inter, inter], 1)], gran, "e4m3"),
                 "down": QuantizedTensor(w2[e], sc2[_scale_rows(gran, [w2.shape[1]], 0)], gran, "e4m3")}
 
+    refit_kinds = ("weight", "scale")  # what an in-place refit brings per piece (rollout/inplace_refit.py)
+
+    def copy_expert(self, layer: torch.nn.Module, e: int, proj: str, *, weight: torch.Tensor | None = None,
+                    scale: torch.Tensor | None = None) -> None:
+        """A served refit's expert ``e`` projection ``proj`` (gate / up / down: its FP8 codes, as float8 or their
+        bytes, and/or its ``weight_scale_inv``) copied in place into the layer's ``w13`` / ``w2`` rows
+        (rollout/inplace_refit.py); the GEMM's form follows with :meth:`_prepare_gemm` once every expert is in."""
+        q = self.expert_weights(layer, e)[proj]
+        for src, dst in ((weight, q.data), (scale, q.scale)):
+            if src is None:
+                continue
+            if src.numel() != dst.numel():
+                raise ValueError(f"expert {e} {proj}: {tuple(src.shape)}, the layer holds {tuple(dst.shape)}")
+            (dst.view(torch.uint8) if dst.dtype == torch.float8_e4m3fn else dst).copy_(
+                (src.view(torch.uint8) if dst.dtype == torch.float8_e4m3fn else src).reshape(dst.shape))
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         weights, scales = layer.fp8core_weights_loaded, layer.fp8core_scales_loaded
         layer.fp8core_weights_loaded, layer.fp8core_scales_loaded = set(), set()
@@ -457,10 +475,13 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
             data, sc = out[kind]
             setattr(layer, f"{kind}_weight", Parameter(data, requires_grad=False))
             setattr(layer, f"{kind}{_SCALE}", Parameter(sc, requires_grad=False))
-        # the GEMM backend; the emulation's FP32 weights only when emulating, dequantized once per load / refit
-        # (same values as per forward); the other backends read the codes and scales
+        self._prepare_gemm(layer)
+
+    def _prepare_gemm(self, layer: torch.nn.Module) -> None:
+        """What ``forward`` reads besides the codes, once per load / refit: the GEMM backend; the emulation's FP32
+        weights only when emulating, dequantized once (same values as per forward); the CPU op's packed weights."""
         layer.fp8core_backend = backend = resolve_backend(self.config.spec.backend, layer.w13_weight.device)
-        experts = [self.expert_weights(layer, e) for e in range(w.shape[0])]
+        experts = [self.expert_weights(layer, e) for e in range(layer.w13_weight.shape[0])]
         layer.fp8core_dq = ([{p: dequantize(q) for p, q in ws.items()} for ws in experts] if backend == "emulated"
                             else None)
         # the CPU FP8 GEMM: each expert's projections packed once per load / refit, as the dense layers

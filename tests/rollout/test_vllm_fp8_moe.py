@@ -118,6 +118,55 @@ def test_expert_layer_and_router_outputs_bit_identical_for_the_same_inputs(pair)
             torch.testing.assert_close(y_e.float(), y_t.float(), rtol=0.05, atol=0.05)
 
 
+def _moe_engine_state(engine, x: torch.Tensor) -> tuple[dict, dict]:
+    """Every engine parameter (FP8 as bytes) and every experts layer's output on ``x`` routed by its own router
+    (what the experts' GEMMs read from their packed form, not only the codes)."""
+    def read(m):
+        params = {n: (p.detach().view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p.detach()).clone()
+                  for n, p in m.named_parameters()}
+        outs = {}
+        for i, layer in enumerate(m.model.layers):
+            ex = _experts(m, i)
+            w, ids = layer.mlp.experts.router.select_experts(hidden_states=x, router_logits=layer.mlp.gate(x)[0],
+                                                             topk_indices_dtype=None)
+            outs[i] = ex.quant_method.apply(ex, x, w, ids)
+        return params, outs
+
+    return engine.llm.apply_model(read)[0]
+
+
+def test_in_place_moe_refit_equals_vllms_reload(pair):
+    """The served MoE refit is copied in place (rollout/inplace_refit.py: the FP8 experts' codes and scales, the
+    BF16-kept layer's experts rounded, the FP32 router through its loader): from a different engine state it
+    leaves every parameter and every experts layer's output what vLLM's layerwise reload leaves."""
+    policy, engine, _ = pair
+    x = (torch.randn(23, policy.model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 2
+         ).to(torch.bfloat16)
+    payload = policy.refit_weights()
+    other = {n: (torch.zeros_like(t) if t.dtype == torch.uint8 else  # codes 0, scales 1, the rest halved
+                 torch.ones_like(t) if n.endswith("_scale_inv") else t / 2) for n, t in payload.items()}
+    try:
+        engine.refit(other, weights_version=1)
+        moved = _moe_engine_state(engine, x)
+        engine.refit(payload, weights_version=1)
+        assert engine.stats()["refit_loader"] == "in_place"
+        in_place = _moe_engine_state(engine, x)
+        engine.refit(other, weights_version=1)
+        engine._inplace_refit = False
+        engine.refit(payload, weights_version=1)
+        assert engine.stats()["refit_loader"] == "vllm_reload"
+        reloaded = _moe_engine_state(engine, x)
+    finally:
+        engine._inplace_refit = True
+        engine.refit(payload, weights_version=1)
+    assert in_place[0].keys() == reloaded[0].keys()
+    assert all(torch.equal(in_place[0][k], reloaded[0][k]) for k in in_place[0])
+    assert all(torch.equal(in_place[1][i], reloaded[1][i]) for i in in_place[1])
+    assert not any(torch.equal(moved[1][i], in_place[1][i]) for i in moved[1])
+    assert not torch.equal(moved[0]["model.layers.0.mlp.experts.routed_experts.w13_weight"],
+                           in_place[0]["model.layers.0.mlp.experts.routed_experts.w13_weight"])
+
+
 def test_expert_layer_rows_in_any_batch_equal_the_trainers_batch(pair):
     """The engine's FP8 expert layer fed a batch in decode-like pieces (1, 2, 8 and 29 tokens: each expert's GEMM
     sees other token counts) returns, in FP32, the trainer's expert layer on the whole batch bit for bit."""
