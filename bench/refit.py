@@ -4,7 +4,8 @@ object store, with N engines and M data-parallel trainers, at the bench's model 
     .venv/bin/python -m bench.refit [--sizes small,medium,large] [--engines 2] [--trainers 2] [--repeats 3]
                                     [--recipe configs/tiny_fp8_e2e.yaml] [--results-doc PATH | --no-results-doc]
 
-Per size and transport the workers are started fresh (cluster.start_workers, ``cluster.refit_transport`` set), every
+Per size, transport and engine loader (``policy.generation.vllm_cfg.refit_loader``: the in-place copy on both
+transports, and vLLM's reload over the group, the loader before it) the workers are started fresh (cluster.start_workers, ``cluster.refit_transport`` set), every
 worker's peak RSS is reset, one refit warms up (and forms the group), then ``--repeats`` refits run through the refit
 task. Reported: the median refit seconds and its parts (the senders making their buckets, the wire, the engines'
 loader); the served state S (the FP8 codes, scales and BF16 rest: what the group's senders broadcast, less alignment
@@ -28,10 +29,12 @@ from tools.results import add_results_doc_args, results_doc, shown, stamp, write
 
 ROOT = Path(__file__).resolve().parents[1]
 TRANSPORTS = ("collective", "object_store")
+# (transport, engine loader) per row: both transports with the default loader, and the group with vLLM's reload
+ARMS = (("collective", "in_place"), ("object_store", "in_place"), ("collective", "vllm_reload"))
 
 
 def measure(model_dir: Path, recipe: str, size: str, transport: str, engines: int, trainers: int, repeats: int,
-            out: Path, threads: int = 1) -> dict:
+            out: Path, threads: int = 1, loader: str = "in_place") -> dict:
     """One row: fresh workers of ``recipe`` on ``model_dir``, ``repeats`` refits through the refit task."""
     from cluster.runtime import actor, get, policy_refs, start_workers, stop_workers
     from configs.schema import load_config
@@ -40,7 +43,8 @@ def measure(model_dir: Path, recipe: str, size: str, transport: str, engines: in
     from trainer.policy import PolicyWorker
 
     over = [f"cluster.rollout_workers={engines}", f"cluster.policy_workers={trainers}",
-            f"cluster.refit_transport={transport}", "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216",
+            f"cluster.refit_transport={transport}", f"policy.generation.vllm_cfg.refit_loader={loader}",
+            "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216",
             "ray.rollout_worker.num_cpus=0.5", "ray.policy_worker.num_cpus=0.5", f"run_dir={out / 'run'}",
             # one thread per worker: N + M workers on a machine of few cores would otherwise spin at each other's
             # OpenMP barriers, and the bench would measure that
@@ -64,17 +68,21 @@ def measure(model_dir: Path, recipe: str, size: str, transport: str, engines: in
             m = rl.refit.fn(ctx)
             seconds.append(time.perf_counter() - t0)
             sent.append(m.get("refit/bytes_sent"))
-            parts.append({k: m[f"time/refit_{k}_s"] for k in ("make", "wire", "load") if f"time/refit_{k}_s" in m})
+            # the engines' loader: its own clock over the group; the engine's refit call over the object store
+            parts.append({"load": m["time/refit_engine_s"],
+                          **{k: m[f"time/refit_{k}_s"] for k in ("make", "wire", "load") if f"time/refit_{k}_s" in m}})
         after_t = get(policy_refs(ctx.trainers, PolicyWorker.memory))
         after_e = get([actor(n).memory.remote() for n in ctx.rollouts])
         trainer_peak = max(a["peak"] - b["rss"] for a, b in zip(after_t, before_t, strict=True))
         engine_peak = max(a["peak"] - b["rss"] for a, b in zip(after_e, before_e, strict=True))
         served = _served_bytes(ctx)
+        loaders = {get(actor(n).stats.remote())["refit_loader"] for n in ctx.rollouts}
     finally:
         stop_workers(workers)
     moved = (engines * served if transport == "collective"
              else 4 * params * (trainers - 1) / trainers + engines * served)
-    return {"size": size, "params": params, "transport": transport, "engines": engines, "trainers": trainers,
+    return {"size": size, "params": params, "transport": transport, "loader": "/".join(sorted(loaders)),
+            "engines": engines, "trainers": trainers,
             "seconds": statistics.median(seconds), "all_seconds": seconds, "served_bytes": served,
             "sent_bytes": sent[-1], "moved_bytes": moved, "trainer_peak_add": trainer_peak,
             "engine_peak_add": engine_peak,
@@ -94,15 +102,17 @@ def _served_bytes(ctx) -> int:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| size | params | transport | engines x trainers | refit s (median) | speed vs object store | served S MB | "
-           "moved per refit MB | trainer peak added MB | engine peak added MB |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    base = {r["size"]: r for r in rows if r["transport"] == "object_store"}
+    out = ["| size | params | transport | engine loader | engines x trainers | refit s (median) | engines' load s | "
+           "speed vs object store | served S MB | moved per refit MB | trainer peak added MB | engine peak added MB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {r["size"]: r for r in rows if r["transport"] == "object_store" and r["loader"] == "in_place"}
     for r in rows:
         b = base.get(r["size"])
         speed = f"{b['seconds'] / r['seconds']:.2f}x" if b and r is not b else ""
-        out.append(f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['transport']} | {r['engines']} x {r['trainers']} | "
-                   f"{r['seconds']:.3f} | {speed} | {r['served_bytes'] / 2**20:.1f} | {r['moved_bytes'] / 2**20:.1f} | "
+        load = r.get("parts_s", {}).get("load")
+        out.append(f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['transport']} | {r['loader']} | "
+                   f"{r['engines']} x {r['trainers']} | {r['seconds']:.3f} | {'' if load is None else f'{load:.3f}'} | "
+                   f"{speed} | {r['served_bytes'] / 2**20:.1f} | {r['moved_bytes'] / 2**20:.1f} | "
                    f"{r['trainer_peak_add'] / 2**20:.1f} | {r['engine_peak_add'] / 2**20:.1f} |")
     return "\n".join(out)
 
@@ -139,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for s in sizes:
-            for t in TRANSPORTS:
-                r = measure(models[s], a.recipe, s, t, a.engines, a.trainers, a.repeats, a.out, a.threads)
+            for t, loader in ARMS:
+                r = measure(models[s], a.recipe, s, t, a.engines, a.trainers, a.repeats, a.out, a.threads, loader)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     finally:

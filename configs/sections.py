@@ -70,6 +70,10 @@ class VllmCfg:
     # with enforce_eager false: inductor = vLLM's compilation; eager = the model traced into one graph (TorchDynamo)
     # run without Inductor (on CPU a trace of seconds instead of minutes of kernel compilation)
     compile_backend: Literal["inductor", "eager"] = "inductor"
+    # how a refit reaches the engine's parameters: in_place = a served FP8 refit copied into the FP8 layers' own
+    # tensors (rollout/inplace_refit.py; other refits fall back to vLLM's reload), vllm_reload = vLLM's layerwise
+    # reload always
+    refit_loader: Literal["in_place", "vllm_reload"] = "in_place"
     # vLLM's attention backend by name (e.g. FLASH_ATTN, TRITON_ATTN, FLASHINFER); null = TRITON_ATTN where an FP8
     # KV cache runs on a GPU (it dequantizes K / V and keeps the query in BF16, which is what the trainer's KV
     # rounding replays; FlashAttention 3 would quantize the query and P to FP8 too), vLLM's own choice elsewhere

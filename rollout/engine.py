@@ -151,7 +151,7 @@ class RolloutWorker:
         self._kv_scales: dict[str, list[float]] | None = None
         self._last_stats = {"tokens_per_s": None, "generated_tokens": 0, "wall_s": None}
         self._last_refit_s: float | None = None
-        self._inplace_refit = True  # served FP8 refits copied in place (rollout/inplace_refit.py) where they can be
+        self._inplace_refit = self.vllm.refit_loader == "in_place"  # rollout/inplace_refit.py where it applies
         self._last_refit_loader: str | None = None
         self._weights_version: int | None = None  # the policy step of the loaded weights (None: model_dir's)
         self.hooks = hooks  # TEST-ONLY (process/faults.py): handed in by the flow, None in a real run

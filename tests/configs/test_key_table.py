@@ -63,6 +63,7 @@ READERS = {
     "policy.generation.vllm_cfg.kv_cache_memory_bytes": ("rollout/engine.py", "vc.kv_cache_memory_bytes"),
     "policy.generation.vllm_cfg.enforce_eager": ("rollout/engine.py", "vc.enforce_eager"),
     "policy.generation.vllm_cfg.compile_backend": ("rollout/engine.py", "vc.compile_backend"),
+    "policy.generation.vllm_cfg.refit_loader": ("rollout/engine.py", "vllm.refit_loader"),
     "policy.generation.vllm_cfg.attention_backend": ("rollout/engine.py", "vc.attention_backend"),
     "policy.generation.vllm_cfg.use_deep_gemm": ("configs/validation.py", "vc.use_deep_gemm"),  # only false
     "policy.generation.vllm_cfg.max_num_seqs": ("rollout/engine.py", "vc.max_num_seqs"),
