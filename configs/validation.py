@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import re
 
-from configs.base import EMBEDDED, FP8_RECIPE_KEYS, GPU_COLLECTIVE_TIMEOUT_S, MOE_SIZE_KEYS, TINY_MODEL_SIZE, _check
+from configs.base import (
+    EMBEDDED,
+    FP8_RECIPE_KEYS,
+    GPU_COLLECTIVE_TIMEOUT_S,
+    MOE_SIZE_KEYS,
+    TINY_MODEL_SIZE,
+    ConfigError,
+    _check,
+)
 
 
 def validate_config(c):
@@ -135,6 +143,19 @@ def _validate_fp8(c):
                "FP8 training settings given but policy.megatron_cfg.fp8_cfg.enabled is false")
     _check(not f8.fp8_param, "policy.megatron_cfg.fp8_cfg.fp8_param",
            "FP8 parameter storage is not supported (master weights stay BF16/FP32)")
+    # mxfp8's scales are E8M0 powers of two, on the side whose keys set the recipe
+    sides = [("policy.megatron_cfg.fp8_cfg", f8)] if f8.enabled else []
+    sides += [("policy.generation.vllm_cfg", vc)] if vc.precision == "fp8" and not f8.enabled else []
+    for prefix, keys in sides:
+        if keys.fp8_recipe == "mxfp8":
+            for key in ("pow2_weight_scaling_factors", "pow2_activation_scaling_factors"):
+                _check(bool(getattr(keys, key)), f"{prefix}.{key}",
+                       "must be true with fp8_recipe mxfp8 (its scales are E8M0 powers of two)")
+    for side in (c.trainer_fp8_spec, c.rollout_fp8_spec):  # any other rule of a spec, its message naming the key
+        try:
+            side()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _validate_nemo_keys(c):

@@ -10,7 +10,7 @@ __all__ = ["BF16_MODES", "BF16Mode", "GEMM_BACKENDS", "GemmBackend", "IMPORTANCE
            "LinearFormat", "RECIPES", "Recipe"]
 
 # FP8 linears: the recipe (operand granularities), the formats (e4m3 everywhere, or E5M2 gradients) and the GEMM
-Recipe = Literal["blockwise", "rowwise", "tensorwise"]
+Recipe = Literal["blockwise", "rowwise", "tensorwise", "mxfp8"]
 LinearFormat = Literal["e4m3", "hybrid"]
 GemmBackend = Literal["auto", "cpu", "emulated", "scaled_mm"]
 # BF16 linears on CPUs without BF16 units: emulated (FP32 GEMMs on BF16-rounded operands) or native

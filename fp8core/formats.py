@@ -7,7 +7,9 @@ import torch
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 GROUP = 128
-GRANULARITIES = ("tensorwise", "rowwise", "group128", "block128")
+# 1 x n groups along the last dimension, by name: 1x128 (DeepSeek-V3's activations), 1x32 (MXFP8's blocks)
+GROUP_SIZES = {"group128": GROUP, "group32": 32}
+GRANULARITIES = ("tensorwise", "rowwise", "group128", "group32", "block128")
 FORMATS = ("e4m3", "e5m2")
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 FP8_MAX = {"e4m3": E4M3_MAX, "e5m2": E5M2_MAX}

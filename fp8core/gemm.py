@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from fp8core import kernels
-from fp8core.quant import GROUP, NON_FINITE, NonFiniteInput, QuantizedTensor
+from fp8core.quant import GROUP, GROUP_SIZES, NON_FINITE, NonFiniteInput, QuantizedTensor
 
 __all__ = ["PackedWeight", "available", "block_for", "describe", "fp8_gemm", "fp8_gemm_packed", "fp8_gemm_rows",
            "fp8_quant_gemm_packed", "pack_weight", "path", "quantizes_into_pack", "row_scales"]
@@ -95,7 +95,10 @@ def describe() -> str:
 
 
 def block_for(a_granularity: str, b_granularity: str, k: int) -> int:
-    """The K block of the GEMM: 128 when either operand is blockwise, else all of K (one block)."""
+    """The K block of the GEMM: 32 when either operand is in 1x32 groups (MXFP8), 128 when either is blockwise,
+    else all of K (one block)."""
+    if "group32" in (a_granularity, b_granularity):
+        return GROUP_SIZES["group32"]
     return GROUP if a_granularity in _BLOCKWISE or b_granularity in _BLOCKWISE else max(1, k)
 
 
@@ -108,9 +111,10 @@ def row_scales(q: QuantizedTensor, block: int) -> torch.Tensor:
         return s.reshape(1, 1).expand(rows, nkb).contiguous()
     if q.granularity == "rowwise":
         return s.reshape(rows, 1).expand(rows, nkb).contiguous()
-    if block != GROUP:
-        raise ValueError(f"row_scales: a {q.granularity} operand needs K blocks of {GROUP}, got {block}")
-    if q.granularity == "group128":
+    need = GROUP_SIZES.get(q.granularity, GROUP)
+    if block != need:
+        raise ValueError(f"row_scales: a {q.granularity} operand needs K blocks of {need}, got {block}")
+    if q.granularity in GROUP_SIZES:
         return s.reshape(rows, nkb).contiguous()
     return s.repeat_interleave(GROUP, 0)[:rows].contiguous()  # block128: each row takes its tile row's scales
 
@@ -155,8 +159,8 @@ def fp8_gemm_packed(a_codes: torch.Tensor, a_fmt: str, a_rows: torch.Tensor, b: 
 
 def quantizes_into_pack(granularity: str, b: PackedWeight) -> bool:
     """Whether activations of ``granularity`` can be quantized inside the op against ``b`` (their groups are the
-    GEMM's K blocks: group128 against 128-column blocks, rowwise against one block of all of K)."""
-    return (granularity == "group128" and b.block == GROUP) or (granularity == "rowwise" and b.block >= b.k)
+    GEMM's K blocks: group128 / group32 against blocks of 128 / 32 columns, rowwise against one block of all of K)."""
+    return b.block == GROUP_SIZES.get(granularity) or (granularity == "rowwise" and b.block >= b.k)
 
 
 def fp8_quant_gemm_packed(x: torch.Tensor, fmt: str, b: PackedWeight, *, pow2: bool = False) -> torch.Tensor:

@@ -67,8 +67,10 @@ from fp8core.scaled_mm import _fp8_mm_scaled
 
 BACKENDS = GEMM_BACKENDS  # the name fp8core.spec and the tests use
 # operand granularity per recipe: activations/gradients ("act", along the contraction dim) and the fprop weight
-ACT_GRANULARITY = {"blockwise": "group128", "rowwise": "rowwise", "tensorwise": "tensorwise"}
-WEIGHT_GRANULARITY = {"blockwise": "block128", "rowwise": "rowwise", "tensorwise": "tensorwise"}
+ACT_GRANULARITY = {"blockwise": "group128", "rowwise": "rowwise", "tensorwise": "tensorwise", "mxfp8": "group32"}
+WEIGHT_GRANULARITY = {"blockwise": "block128", "rowwise": "rowwise", "tensorwise": "tensorwise", "mxfp8": "group32"}
+# recipes whose forward weight groups run along K only, so the dgrad (contracting N) re-quantizes W along N
+REQUANTIZED_DGRAD = ("rowwise", "mxfp8")
 
 __all__ = [
     "BACKENDS",
@@ -98,8 +100,9 @@ def _check_choice(value, allowed, what: str) -> None:
 class FP8LinearConfig:
     """How an :class:`FP8Linear` quantizes its GEMM operands (module docstring).
 
-    recipe: "blockwise" (default) | "rowwise" | "tensorwise".  fmt: "e4m3" | "hybrid" (E5M2 gradients).
-    pow2_weight / pow2_activation: round the weight's / the activations' and gradients' scales up to powers of two.
+    recipe: "blockwise" (default) | "rowwise" | "tensorwise" | "mxfp8".  fmt: "e4m3" | "hybrid" (E5M2 gradients).
+    pow2_weight / pow2_activation: round the weight's / the activations' and gradients' scales up to powers of two
+    (both required by mxfp8, whose scales are E8M0 exponents).
     backend: "auto" | "cpu" | "emulated" | "scaled_mm".
     """
 
@@ -116,6 +119,9 @@ class FP8LinearConfig:
         for name in ("pow2_weight", "pow2_activation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FP8LinearConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.recipe == "mxfp8" and not (self.pow2_weight and self.pow2_activation):
+            raise ValueError("FP8LinearConfig: recipe 'mxfp8' needs pow2_weight and pow2_activation (its scales are "
+                             "E8M0 powers of two)")
 
     @property
     def grad_fmt(self) -> str:
@@ -124,7 +130,7 @@ class FP8LinearConfig:
 
 
 def weight_granularity(recipe: str) -> str:
-    """Granularity of the (forward) weight quantization for ``recipe``: block128 / rowwise / tensorwise."""
+    """Granularity of the (forward) weight quantization for ``recipe``: block128 / rowwise / tensorwise / group32."""
     _check_choice(recipe, RECIPES, "recipe")
     return WEIGHT_GRANULARITY[recipe]
 
@@ -307,25 +313,27 @@ class WeightCache:
 
     def packed(self, weight: torch.Tensor, config: FP8LinearConfig, *, transposed: bool = False) -> gemm.PackedWeight:
         """The weight packed for the CPU FP8 GEMM: the forward's (``[N, K]``), or with ``transposed`` the dgrad's
-        (``[K, N]``: the forward's block128 / tensorwise codes transposed, exact; rowwise re-quantized per input
-        feature, along N)."""
+        (``[K, N]``: the forward's block128 / tensorwise codes transposed, exact; rowwise / group32 re-quantized
+        along N)."""
         vals = self._fresh(weight, config)
         key = "packed_t" if transposed else "packed"
         if key not in vals:
-            if transposed and config.recipe == "rowwise":
-                q = quantize(weight.detach().t(), "rowwise", fmt="e4m3", pow2=config.pow2_weight)
+            if transposed and config.recipe in REQUANTIZED_DGRAD:
+                q = quantize(weight.detach().t(), WEIGHT_GRANULARITY[config.recipe], fmt="e4m3",
+                             pow2=config.pow2_weight)
             else:
                 q = self.get(weight, config)[0]
                 q = q.t() if transposed else q
             vals[key] = pack_weight(q, config.recipe)
         return vals[key]
 
-    def get_rowwise_t(self, weight: torch.Tensor, config: FP8LinearConfig) -> torch.Tensor:
-        """The rowwise recipe's dgrad weight: ``dequantize(quantize(weight.t(), "rowwise"))`` ([K, N], FP32)."""
+    def get_requantized_t(self, weight: torch.Tensor, config: FP8LinearConfig) -> torch.Tensor:
+        """The dgrad weight of a recipe in REQUANTIZED_DGRAD: ``dequantize(quantize(weight.t(), gran))`` ([K, N],
+        FP32), gran its weight granularity (rowwise, group32)."""
         vals = self._fresh(weight, config)
         if "dq_t" not in vals:
-            vals["dq_t"] = quantize_dequantize_columns(weight.detach(), "rowwise", fmt="e4m3",
-                                                       pow2=config.pow2_weight).t()
+            vals["dq_t"] = quantize_dequantize_columns(weight.detach(), WEIGHT_GRANULARITY[config.recipe],
+                                                       fmt="e4m3", pow2=config.pow2_weight).t()
         return vals["dq_t"]
 
 
@@ -389,7 +397,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         if ctx.backend == "emulated":  # the same operand values as the scaled_mm branch, dequantized in one pass
             if ctx.needs_input_grad[0]:  # dgrad: dX = dY @ W, contracting N
                 dy_dq = quantize_dequantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)[0]
-                w_nk = cache.get_rowwise_t(weight, cfg).t() if cfg.recipe == "rowwise" else w_dq
+                w_nk = cache.get_requantized_t(weight, cfg).t() if cfg.recipe in REQUANTIZED_DGRAD else w_dq
                 dx = (dy_dq @ w_nk).to(x.dtype).reshape(x.shape)
             if ctx.needs_input_grad[1]:  # wgrad: dW = dY.T @ X, contracting tokens
                 dyt_dq = quantize_dequantize_columns(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
@@ -402,8 +410,8 @@ class _FP8LinearFunction(torch.autograd.Function):
                                          cache.packed(weight, cfg, transposed=True))
                 else:
                     dy_q = quantize(dy2, gran, fmt=cfg.grad_fmt, pow2=cfg.pow2_activation)
-                    if cfg.recipe == "rowwise":  # W re-quantized per input feature, along N
-                        w_t = quantize(weight.t(), "rowwise", fmt="e4m3", pow2=cfg.pow2_weight)
+                    if cfg.recipe in REQUANTIZED_DGRAD:  # W re-quantized along N (per input feature / 1x32)
+                        w_t = quantize(weight.t(), WEIGHT_GRANULARITY[cfg.recipe], fmt="e4m3", pow2=cfg.pow2_weight)
                     else:  # the forward's block128 / tensorwise weight, transposed (exact)
                         w_t = QuantizedTensor(w_data, w_scale, WEIGHT_GRANULARITY[cfg.recipe], "e4m3").t()
                     dx = fp8_mm(dy_q, w_t, backend=ctx.backend)

@@ -37,6 +37,7 @@ granularity    scale shape                        group
 tensorwise     ``[]``                             the whole tensor
 rowwise        ``[M, 1]``                         one row (all of the last dim)
 group128       ``[M, ceil(K/128)]``               1x128 slices of the last dim (activations, gradients)
+group32        ``[M, ceil(K/32)]``                1x32 slices of the last dim (MXFP8's blocks, every operand)
 block128       ``[ceil(M/128), ceil(K/128)]``     128x128 tiles of the last two dims (weights)
 =============  ================================  ============================================================
 
@@ -60,6 +61,7 @@ from fp8core.formats import (
     FP8_MAX,
     GRANULARITIES,
     GROUP,
+    GROUP_SIZES,
     MIN_SCALE,
     NON_FINITE,
     NonFiniteInput,
@@ -156,8 +158,8 @@ def _scale_shape(shape: tuple[int, ...], granularity: str) -> tuple[int, ...]:
         raise ValueError(f"granularity={granularity!r} needs at least a 1-D tensor, got a 0-d tensor")
     if granularity == "rowwise":
         return (*shape[:-1], 1)
-    if granularity == "group128":
-        return (*shape[:-1], math.ceil(shape[-1] / GROUP))
+    if granularity in GROUP_SIZES:
+        return (*shape[:-1], math.ceil(shape[-1] / GROUP_SIZES[granularity]))
     if len(shape) < 2:
         raise ValueError(f"granularity='block128' needs at least a 2-D tensor, got shape {shape}")
     return (*shape[:-2], math.ceil(shape[-2] / GROUP), math.ceil(shape[-1] / GROUP))
@@ -179,8 +181,8 @@ def expand_scale(scale: torch.Tensor, granularity: str, shape) -> torch.Tensor:
     shape = tuple(shape)
     if granularity in ("tensorwise", "rowwise"):
         return scale.expand(shape)
-    if granularity == "group128":
-        return scale.repeat_interleave(GROUP, dim=-1)[..., : shape[-1]]
+    if granularity in GROUP_SIZES:
+        return scale.repeat_interleave(GROUP_SIZES[granularity], dim=-1)[..., : shape[-1]]
     return scale.repeat_interleave(GROUP, dim=-2).repeat_interleave(GROUP, dim=-1)[..., : shape[-2], : shape[-1]]
 
 
@@ -218,9 +220,10 @@ def _quantize_whole(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> 
     elif granularity == "rowwise":
         view = xf
         amax = amax_groups(view, -1).unsqueeze(-1)
-    elif granularity == "group128":
-        xp = _pad_to(xf, -1, GROUP)
-        view = xp.reshape(*xp.shape[:-1], xp.shape[-1] // GROUP, GROUP)
+    elif granularity in GROUP_SIZES:
+        g = GROUP_SIZES[granularity]
+        xp = _pad_to(xf, -1, g)
+        view = xp.reshape(*xp.shape[:-1], xp.shape[-1] // g, g)
         amax = amax_groups(view, -1)
     else:
         xp = _pad_to(_pad_to(xf, -1, GROUP), -2, GROUP)
@@ -233,7 +236,7 @@ def _quantize_whole(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> 
         scaled = xf
     elif granularity in ("tensorwise", "rowwise"):
         scaled = view / scale
-    elif granularity == "group128":
+    elif granularity in GROUP_SIZES:
         scaled = (view / scale.unsqueeze(-1)).reshape(xp.shape)[..., : xf.shape[-1]]
     else:
         scaled = (view / scale.unsqueeze(-1).unsqueeze(-3)).reshape(xp.shape)[..., : xf.shape[-2], : xf.shape[-1]]
@@ -288,8 +291,9 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     """``data * scale`` computed in FP32 (each FP8 value times its group's scale), then cast to ``dtype``."""
     data = _fp8_to_fp32(q.data)
     shape = data.shape
-    if q.granularity == "group128" and shape[-1] % GROUP == 0:  # same values, no expanded scale tensor
-        out = data.reshape(*shape[:-1], shape[-1] // GROUP, GROUP).mul_(q.scale.unsqueeze(-1)).reshape(shape)
+    g = GROUP_SIZES.get(q.granularity)
+    if g is not None and shape[-1] % g == 0:  # same values, no expanded scale tensor
+        out = data.reshape(*shape[:-1], shape[-1] // g, g).mul_(q.scale.unsqueeze(-1)).reshape(shape)
     elif q.granularity == "block128" and shape[-1] % GROUP == 0 and shape[-2] % GROUP == 0:
         mb, kb = shape[-2] // GROUP, shape[-1] // GROUP
         blocks = data.reshape(*shape[:-2], mb, GROUP, kb, GROUP)
@@ -403,14 +407,15 @@ def quantize_columns(x: torch.Tensor, granularity: str, *, fmt: str = "e4m3", po
 def _column_tile(granularity: str, t: int) -> tuple[int, int]:
     """The group of ``granularity`` along the first dim of a 2-D ``[T, K]`` tensor (group128 / rowwise of its
     transpose) as a tile of (rows, cols) elements."""
-    return (GROUP if granularity == "group128" else t, 1)
+    return (GROUP_SIZES.get(granularity, t), 1)
 
 
 def _tile(granularity: str, shape2d) -> tuple[int, int]:
     """The group of ``granularity`` on a 2-D ``[M, K]`` tensor as a tile of (rows, cols) elements."""
     m, k = shape2d
-    return {"tensorwise": (max(m, 1), max(k, 1)), "rowwise": (1, max(k, 1)), "group128": (1, GROUP),
-            "block128": (GROUP, GROUP)}[granularity]
+    if granularity in GROUP_SIZES:
+        return (1, GROUP_SIZES[granularity])
+    return {"tensorwise": (max(m, 1), max(k, 1)), "rowwise": (1, max(k, 1)), "block128": (GROUP, GROUP)}[granularity]
 
 
 def _fused(x2: torch.Tensor, tile: tuple[int, int], *, fmt: str, pow2: bool, want_dq: bool, want_data: bool):

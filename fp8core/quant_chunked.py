@@ -8,7 +8,16 @@ import math
 
 import torch
 
-from fp8core.formats import FP8_DTYPES, FP8_MAX, GROUP, NON_FINITE, NonFiniteInput, amax_groups, scale_from_amax
+from fp8core.formats import (
+    FP8_DTYPES,
+    FP8_MAX,
+    GROUP,
+    GROUP_SIZES,
+    NON_FINITE,
+    NonFiniteInput,
+    amax_groups,
+    scale_from_amax,
+)
 
 # The same arithmetic as quantize_reference (FP32 copy, max(amax, -amin) per group, one FP32 division by the scale,
 # clamp, torch's cast), done on row chunks of ~_CHUNK_BYTES in two reused buffers that stay in cache: the whole-tensor
@@ -77,9 +86,10 @@ def _quantize_2d(x2: torch.Tensor, granularity: str, fmt: str, pow2: bool, *, wa
     dequantized FP32 values or None)."""
     m, k = x2.shape
     fp8_max, dt, dev = FP8_MAX[fmt], FP8_DTYPES[fmt], x2.device
-    grouped = granularity in ("group128", "block128")
-    g = -(-k // GROUP) if grouped else 1
-    kp = g * GROUP if grouped else k
+    width = GROUP_SIZES.get(granularity, GROUP)  # the groups' width along K (block128: 128)
+    grouped = granularity in GROUP_SIZES or granularity == "block128"
+    g = -(-k // width) if grouped else 1
+    kp = g * width if grouped else k
     rows = max(1, _CHUNK_BYTES // (kp * 4))
     if granularity == "block128":
         rows = max(GROUP, rows // GROUP * GROUP)
@@ -122,8 +132,8 @@ def _quantize_2d(x2: torch.Tensor, granularity: str, fmt: str, pow2: bool, *, wa
             s = scale_from_amax(amax, fp8_max, pow2)
             amax_all[r0: r0 + n] = amax
             scale_all[r0: r0 + n] = s
-        elif granularity == "group128":
-            v, sv = b.view(n, g, GROUP), src.view(n, g, GROUP)
+        elif granularity in GROUP_SIZES:
+            v, sv = b.view(n, g, width), src.view(n, g, width)
             amax = amax_groups(sv, -1)
             s = scale_from_amax(amax, fp8_max, pow2)
             amax_all[r0: r0 + n] = amax
@@ -183,8 +193,9 @@ def _columns(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> torch.T
         amax_all = amax_groups(x, 0).to(torch.float32)  # [K]: max(amax, -amin) of each column, exact
         scale_all = scale_from_amax(amax_all, fp8_max, pow2)
     else:
-        rows = min(-(-t // GROUP) * GROUP, max(GROUP, _CHUNK_BYTES // (k * 4) // GROUP * GROUP))
-        amax_all = torch.empty(-(-t // GROUP), k, dtype=torch.float32, device=dev)
+        gs = GROUP_SIZES[granularity]
+        rows = min(-(-t // gs) * gs, max(gs, _CHUNK_BYTES // (k * 4) // gs * gs))
+        amax_all = torch.empty(-(-t // gs), k, dtype=torch.float32, device=dev)
     buf = torch.zeros(rows, k, dtype=torch.float32, device=dev)
     i32 = torch.empty(rows * k, dtype=torch.int32, device=dev)
     dq = torch.empty(t, k, dtype=torch.float32, device=dev)
@@ -193,15 +204,15 @@ def _columns(x: torch.Tensor, granularity: str, fmt: str, pow2: bool) -> torch.T
         if granularity == "rowwise":
             b, v, s = buf[:n], buf[:n], scale_all
         else:
-            nb = -(-n // GROUP)
-            b = buf[: nb * GROUP]
-            if n < nb * GROUP:
+            nb = -(-n // gs)
+            b = buf[: nb * gs]
+            if n < nb * gs:
                 b[n:].zero_()
-            v = b.view(nb, GROUP, k)
+            v = b.view(nb, gs, k)
         b[:n].copy_(x[r0: r0 + n])
-        if granularity == "group128":
+        if granularity in GROUP_SIZES:
             amax = amax_groups(v, 1)
-            amax_all[r0 // GROUP: r0 // GROUP + nb] = amax
+            amax_all[r0 // gs: r0 // gs + nb] = amax
             s = scale_from_amax(amax, fp8_max, pow2).unsqueeze(1)
         v.div_(s)
         b.clamp_(-fp8_max, fp8_max)

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from .formats import FP8_DTYPES, FP8_MAX, GRANULARITIES, GROUP, amax_groups, scale_from_amax
+from .formats import FP8_DTYPES, FP8_MAX, GRANULARITIES, GROUP, GROUP_SIZES, amax_groups, scale_from_amax
 from .quant import expand_scale
 
 __all__ = ["shard_amax", "quantize_shard"]
@@ -54,15 +54,16 @@ def shard_amax(x: torch.Tensor, granularity: str, *, row_offset: int, rows: int)
     xf = x.detach().to(torch.float32)
     if granularity == "tensorwise":
         return _absmax(xf, None) if n and k else xf.new_zeros(())
-    if granularity in ("rowwise", "group128"):
-        ncols = 1 if granularity == "rowwise" else math.ceil(k / GROUP)
+    if granularity == "rowwise" or granularity in GROUP_SIZES:
+        g = GROUP_SIZES.get(granularity, k)
+        ncols = 1 if granularity == "rowwise" else math.ceil(k / g)
         out = xf.new_zeros(rows, ncols)
         if n and k:
             if granularity == "rowwise":
                 local = _absmax(xf, -1).unsqueeze(-1)
             else:
-                xp = torch.nn.functional.pad(xf, (0, ncols * GROUP - k))
-                local = _absmax(xp.view(n, ncols, GROUP), -1)
+                xp = torch.nn.functional.pad(xf, (0, ncols * g - k))
+                local = _absmax(xp.view(n, ncols, g), -1)
             out[row_offset:row_offset + n] = local
         return out
     kb = math.ceil(k / GROUP)

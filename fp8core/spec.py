@@ -4,7 +4,8 @@ quantization config are built from the same :class:`FP8Spec`, so they cannot dri
 ===========================  ===============================================================================
 field                        meaning
 ===========================  ===============================================================================
-recipe                       blockwise (1x128 activations, 128x128 weights) | rowwise | tensorwise
+recipe                       blockwise (1x128 activations, 128x128 weights) | rowwise | tensorwise | mxfp8 (1x32
+                             groups along K for every operand, power-of-two scales: OCP MXFP8, Blackwell's format)
 fmt                          e4m3 | hybrid (E5M2 output gradients; training only -- forward numerics are E4M3)
 pow2_weight                  weight scales rounded up to powers of two
 pow2_activation              activation (and gradient) scales rounded up to powers of two
@@ -47,6 +48,8 @@ class FP8Spec:
         for name in ("pow2_weight", "pow2_activation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"FP8Spec.{name} must be a bool, got {getattr(self, name)!r}")
+            if self.recipe == "mxfp8" and not getattr(self, name):
+                raise ValueError(f"FP8Spec.{name}=False: recipe 'mxfp8' has power-of-two (E8M0) scales; set it true")
         for name in ("num_first_layers_in_bf16", "num_last_layers_in_bf16"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -194,8 +194,8 @@ class Fp8CoreConfig(QuantizationConfig):
 
 
 def _scale_rows(granularity: str, widths: list[int], i: int) -> slice | int:
-    """Where partition ``i``'s scales sit in ``weight_scale_inv`` (rows for block128 / rowwise, an index for
-    tensorwise)."""
+    """Where partition ``i``'s scales sit in ``weight_scale_inv`` (rows for block128 / rowwise / group32, an index
+    for tensorwise)."""
     if granularity == "tensorwise":
         return i
     size = (lambda n: -(-n // GROUP)) if granularity == "block128" else (lambda n: n)
@@ -208,6 +208,8 @@ def _scale_shape(granularity: str, widths: list[int], k: int) -> tuple[int, ...]
         return (len(widths),)
     if granularity == "rowwise":
         return (sum(widths), 1)
+    if granularity == "group32":  # mxfp8: 1x32 groups along K per row
+        return (sum(widths), -(-k // 32))
     return (sum(-(-n // GROUP) for n in widths), -(-k // GROUP))
 
 

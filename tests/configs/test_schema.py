@@ -7,7 +7,7 @@ from configs.schema import Config, ConfigError, config_from_dict, flatten, load_
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = ["tiny_bf16", "tiny_fp8_rollout", "tiny_fp8_e2e", "tiny_fp8_e2e_kv", "tiny_fp8_tensorwise_cc", "tiny_moe_bf16",
-        "tiny_moe_fp8_e2e"]
+        "tiny_moe_fp8_e2e", "tiny_mxfp8_e2e"]
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -129,6 +129,12 @@ def test_bad_overrides_name_their_path(override, path):
       "calibration.clip_init_high=2.5"], "calibration.clip_init_high"),
     (["policy.megatron_cfg.fp8_cfg.enabled=true", "calibration.calibrated_clipping=true",
       "calibration.clip_max_delta_low=0"], "calibration.clip_max_delta_low"),
+    # mxfp8's scales are E8M0 powers of two: a recipe that turns them off is refused, on either side
+    (["policy.megatron_cfg.fp8_cfg.enabled=true", "policy.megatron_cfg.fp8_cfg.fp8_recipe=mxfp8",
+      "policy.megatron_cfg.fp8_cfg.pow2_weight_scaling_factors=true"],
+     "policy.megatron_cfg.fp8_cfg.pow2_activation_scaling_factors"),
+    (["policy.generation.vllm_cfg.precision=fp8", "policy.generation.vllm_cfg.fp8_recipe=mxfp8"],
+     "policy.generation.vllm_cfg.pow2_weight_scaling_factors"),
 ])
 def test_impossible_combinations(overrides, path):
     with pytest.raises(ConfigError) as e:

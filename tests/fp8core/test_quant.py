@@ -56,8 +56,9 @@ def _groups_ref(m: int, k: int, granularity: str):
         return [[(slice(0, m), slice(0, k))]]
     if granularity == "rowwise":
         return [[(slice(i, i + 1), slice(0, k))] for i in range(m)]
-    if granularity == "group128":
-        return [[(slice(i, i + 1), slice(j, min(j + 128, k))) for j in range(0, k, 128)] for i in range(m)]
+    if granularity in ("group128", "group32"):
+        g = 128 if granularity == "group128" else 32
+        return [[(slice(i, i + 1), slice(j, min(j + g, k))) for j in range(0, k, g)] for i in range(m)]
     return [[(slice(i, min(i + 128, m)), slice(j, min(j + 128, k))) for j in range(0, k, 128)] for i in range(0, m, 128)]
 
 
@@ -96,7 +97,8 @@ def test_matches_float64_reference(granularity, fmt, pow2):
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_scale_shapes_partial_groups(granularity):
     x = torch.randn(130, 257)
-    expected = {"tensorwise": (), "rowwise": (130, 1), "group128": (130, 3), "block128": (2, 3)}[granularity]
+    expected = {"tensorwise": (), "rowwise": (130, 1), "group128": (130, 3), "group32": (130, 9),
+                "block128": (2, 3)}[granularity]
     q = quantize(x, granularity)
     assert tuple(q.scale.shape) == expected and q.data.shape == x.shape
 
@@ -261,7 +263,7 @@ def test_bfloat16_and_float16_inputs():
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    ({"granularity": "blockwise"}, "granularity='blockwise'.*allowed: 'tensorwise', 'rowwise', 'group128', 'block128'"),
+    ({"granularity": "blockwise"}, "granularity='blockwise'.*allowed: 'tensorwise', 'rowwise', 'group128', 'group32', 'block128'"),
     ({"granularity": "rowwise", "fmt": "e3m4"}, "fmt='e3m4'.*allowed: 'e4m3', 'e5m2'"),
     ({"granularity": "block128", "x": torch.randn(5)}, "block128.*2-D"),
     ({"granularity": "rowwise", "x": torch.randn(4).to(torch.float8_e4m3fn)}, "high-precision"),

@@ -157,7 +157,7 @@ def test_pipeline_refit_after_a_real_update_is_bit_identical_to_trainer(model_di
 
 
 @pytest.mark.parametrize("recipe,pow2,first,last", [("blockwise", True, 1, 0), ("rowwise", False, 0, 1),
-                                                     ("tensorwise", True, 1, 1)])
+                                                     ("tensorwise", True, 1, 1), ("mxfp8", True, 1, 0)])
 def test_fp8_refit_per_recipe_bit_identical_weights_and_outputs(model_dir, tmp_path, recipe, pow2, first, last):
     """End-to-end FP8 through the pipeline's refit (PolicyWorker.refit_weights: FP8 codes + scales over the wire):
     per recipe the engine holds the trainer's quantization and its linears return the trainer's outputs."""
@@ -262,7 +262,8 @@ def _over_the_wire(policy, engine, kv_scales=None, weights_version=1) -> dict:
     return out
 
 
-@pytest.mark.parametrize("recipe,pow2,first,last", [("blockwise", True, 1, 0), ("tensorwise", True, 1, 1)])
+@pytest.mark.parametrize("recipe,pow2,first,last", [("blockwise", True, 1, 0), ("tensorwise", True, 1, 1),
+                                                     ("mxfp8", True, 0, 1)])
 def test_fp8_refit_over_the_wire_bit_identical_weights_and_outputs(model_dir, tmp_path, recipe, pow2, first, last):
     """The collective transport (trainer.refit.ServedShard -> process.refit_wire -> RolloutWorker.refit_from_wire,
     one decoder layer per bucket): after a real update the engine holds the trainer's quantization bit for bit

@@ -258,3 +258,55 @@ def test_compiled_moe_engine_gives_the_eager_engines_bits(pair, model_dir, tmp_p
         finally:
             engine.shutdown()
     assert samples[0] == samples[1]
+
+
+def test_mxfp8_experts_equal_the_trainers_after_a_refit(model_dir, tmp_path):
+    """The mxfp8 recipe on the MoE model: after a real update and a served refit (in place), every FP8 expert holds
+    the trainer's 1x32-group codes and power-of-two scales bit for bit, and an experts layer's output for the same
+    input and routing is the trainer's."""
+    import random
+
+    from embedded.tiny_model import chat_prompt
+    from rewards.math_task import make_problem, reward
+    from rollout.engine import RolloutWorker
+    from trainer.policy import PolicyWorker
+
+    f8 = "policy.megatron_cfg.fp8_cfg"
+    cfg = _cfg(tmp_path, f"{f8}.fp8_recipe=mxfp8", f"{f8}.pow2_activation_scaling_factors=true")
+    policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
+    engine = RolloutWorker(model_dir, cfg, run_dir=tmp_path / "rollout")
+    try:
+        rows = [make_problem(random.Random(0)) for _ in range(2)]
+        outs = engine.generate([chat_prompt(engine.tokenizer, r["question"]) for r in rows], n=4, max_tokens=16,
+                               seed=0)
+        rewards = [reward(s["text"], r["answer"]) for o, r in zip(outs, rows, strict=True) for s in o["samples"]]
+        rewards[0] = 1.0 - rewards[0]
+        assert policy.train_step(outs, rewards, step=1)["train/optimizer_updates"] >= 1
+        engine.refit(policy.refit_weights(), weights_version=1)
+        assert engine.stats()["refit_loader"] == "in_place"
+        for layer in range(FIRST, policy.model.config.num_hidden_layers):
+            ex = policy.model.model.layers[layer].mlp.experts
+            held = engine.llm.apply_model(lambda m, i=layer, k=ex.num_experts: [
+                {p: (q.data.clone(), q.scale.clone()) for p, q in _experts(m, i).quant_method.expert_weights(
+                    _experts(m, i), e).items()} for e in range(k)])[0]
+            for e in range(ex.num_experts):
+                for part in ("gate", "up", "down"):
+                    q = ex.quantized_weight(e, part)
+                    assert q.granularity == "group32" and bool((torch.frexp(q.scale)[0] == 0.5).all())
+                    d, sc = held[e][part]
+                    assert torch.equal(d.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(sc, q.scale)
+        x = (torch.randn(19, policy.model.config.hidden_size, generator=torch.Generator().manual_seed(6)) * 2
+             ).to(torch.bfloat16)
+
+        def engine_side(m, i=FIRST):
+            blk, ex = m.model.layers[i].mlp, _experts(m, FIRST)
+            w, ids = blk.experts.router.select_experts(hidden_states=x, router_logits=blk.gate(x)[0],
+                                                        topk_indices_dtype=None)
+            return w, ids, ex.quant_method.apply(ex, x, w, ids)
+
+        w_e, ids_e, y_e = engine.llm.apply_model(engine_side)[0]
+        with torch.no_grad():
+            y_t = policy.model.model.layers[FIRST].mlp.experts(x, ids_e.long(), w_e)
+        assert torch.equal(y_e, y_t)
+    finally:
+        engine.shutdown()

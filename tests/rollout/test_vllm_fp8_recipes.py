@@ -9,9 +9,14 @@ from fp8core.linear import RECIPES, FP8Linear, FP8LinearConfig
 pytestmark = pytest.mark.slow  # imports vLLM (~10 s)
 
 
+def _pow2(recipe: str, pow2: bool) -> bool:
+    return pow2 or recipe == "mxfp8"  # mxfp8's scales are powers of two (E8M0) whatever a case asks
+
+
 def _layer(recipe, widths, k, *, pow2_w, pow2_a, backend="auto"):
     from rollout.vllm_fp8 import Fp8CoreConfig, Fp8CoreLinearMethod, quantization_config_dict
 
+    pow2_w, pow2_a = _pow2(recipe, pow2_w), _pow2(recipe, pow2_a)
     cfg = Fp8CoreConfig.from_config(quantization_config_dict(
         num_hidden_layers=2, fp8_recipe=recipe, pow2_weight_scaling_factors=pow2_w,
         pow2_activation_scaling_factors=pow2_a, backend=backend))
@@ -33,7 +38,7 @@ def test_engine_layer_equals_trainer_fp8linear(recipe, widths, k, pow2, single_r
     method.process_weights_after_loading(layer)
     assert layer.weight.dtype == torch.float8_e4m3fn
     assert layer.weight_block_size == ([128, 128] if recipe == "blockwise" else None)
-    cfg = FP8LinearConfig(recipe=recipe, pow2_weight=pow2, pow2_activation=pow2)
+    cfg = FP8LinearConfig(recipe=recipe, pow2_weight=_pow2(recipe, pow2), pow2_activation=_pow2(recipe, pow2))
     trainers = []
     for w, held in zip(weights, method.partitions(layer), strict=True):
         lin = FP8Linear(k, w.shape[0], bias=False, config=cfg)
@@ -97,7 +102,10 @@ def test_an_fp8_layer_holds_codes_packed_codes_and_scales_only(recipe, single_ra
     nbytes = sum(t.numel() * t.element_size() for t in unique)
     weights = sum(widths) * k
     packed = 2 if cpu_caps().native_bf16 else 4
-    assert nbytes <= (1 + packed + 0.1) * weights, nbytes / weights
+    # scales: ~1/32 B per weight at most, except mxfp8's 1x32 groups: an FP32 scale per 32 weights, held twice (the
+    # layer's weight_scale_inv and the packed weight's per-block scales), 0.25 B per weight
+    scales = 0.1 + (0.25 if recipe == "mxfp8" else 0)
+    assert nbytes <= (1 + packed + scales) * weights, nbytes / weights
     packed_ptr = layer.fp8core_packed.values.data_ptr()  # FP32 values on CPUs without BF16 units: the packing
     assert not any(t.dtype == torch.float32 and t.numel() >= weights and t.data_ptr() != packed_ptr for t in unique)
 
@@ -119,7 +127,7 @@ def test_prequantized_codes_and_scales_are_kept_bit_for_bit(recipe, single_rank)
     widths, k, shards = (256, 128, 128), 256, ("q", "k", "v")
     weights = [torch.randn(n, k, generator=gen) * 0.05 for n in widths]
     method, layer = _layer(recipe, widths, k, pow2_w=True, pow2_a=False)
-    cfg = FP8LinearConfig(recipe=recipe, pow2_weight=True)
+    cfg = FP8LinearConfig(recipe=recipe, pow2_weight=True, pow2_activation=_pow2(recipe, False))
     trainer_q = []
     for w in weights:
         lin = FP8Linear(k, w.shape[0], bias=False, config=cfg)
@@ -172,7 +180,8 @@ def test_scaled_mm_engine_layer_quantizes_its_input_once_and_equals_the_trainer(
     monkeypatch.setattr(fl, "quantize", lambda v, gran, **kw: seen.append(gran) or real(v, gran, **kw))
     engine = method.apply(layer, x)
     assert seen == [ACT_GRANULARITY[recipe]]
-    cfg = FP8LinearConfig(recipe=recipe, backend="scaled_mm")
+    cfg = FP8LinearConfig(recipe=recipe, backend="scaled_mm", pow2_weight=_pow2(recipe, False),
+                          pow2_activation=_pow2(recipe, False))
     trainers = [FP8Linear(k, w.shape[0], bias=False, config=cfg) for w in weights]
     with torch.no_grad():
         for lin, w in zip(trainers, weights, strict=True):
