@@ -146,3 +146,25 @@ def test_mx_linear_on_the_meta_device_is_three_mx_gemms(monkeypatch):
     w = torch.empty(64, 128, device="meta", requires_grad=True)
     mx_linear(x, w).sum().backward()
     assert len(calls) == 3 and x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group32_with_pow2_scales_is_mx_round_up(dtype):
+    """The mxfp8 recipe's quantizer (fp8core.quant, granularity group32, pow2) against MX's round-up rule: the same
+    codes everywhere and the same scales (2**(byte - 127)) on every group whose amax is in the normal range
+    (>= 448 x 2**-126); an all-zero group gets the quantizer's floor 2**-126 where MX writes byte 0 (2**-127) --
+    zero codes either way."""
+    from fp8core.quant import quantize
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 256, generator=g) * torch.logspace(-30, 30, 256)  # every row spans 60 decades
+    x[3, :32] = 0  # an all-zero group
+    x[5, 32:64] = 448.0 * 2**-100  # tiny but normal
+    x = x.to(dtype)
+    q, m = quantize(x, "group32", pow2=True), mx_quantize(x, rule="rceil")
+    assert torch.equal(q.data.view(torch.uint8), m.data.view(torch.uint8))
+    mx_scale = torch.ldexp(torch.ones(m.scale.shape), m.scale.to(torch.int32) - 127)
+    zero = x.float().reshape(64, 8, 32).abs().amax(-1) == 0
+    assert int(zero.sum()) == 1
+    assert torch.equal(q.scale[~zero], mx_scale[~zero])
+    assert q.scale[zero].item() == 2.0**-126 and m.scale[zero].item() == 0
