@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8core import gemm
+from fp8core import gemm, mx
 from fp8core.choices import GEMM_BACKENDS, LINEAR_FORMATS, RECIPES
 from fp8core.quant import (
     QuantizedTensor,
@@ -171,6 +171,8 @@ def fp8_mm(a: QuantizedTensor, b: QuantizedTensor, *, backend: str = "emulated")
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"fp8_mm: need a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
     if backend == "scaled_mm":
+        if a.granularity == b.granularity == "group32":  # mxfp8: torch's MX GEMM (E8M0 scales; Blackwell)
+            return mx.mx_mm(mx.from_quantized(a), mx.from_quantized(b), out_dtype=torch.float32)
         return _fp8_mm_scaled(a, b)
     if backend == "cpu":
         return gemm.fp8_gemm(a, b)

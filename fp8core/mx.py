@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from .formats import FP8_DTYPES, FP8_MAX, amax_groups
-from .quant import NON_FINITE, NonFiniteInput, record_nonfinite
+from .quant import NON_FINITE, NonFiniteInput, QuantizedTensor, record_nonfinite
 
-__all__ = ["E8M0_BIAS", "MX_BLOCK", "MX_RULES", "MXTensor", "mx_quantize", "mx_dequantize", "swizzle_scales", "mx_mm", "mx_linear"]
+__all__ = ["E8M0_BIAS", "MX_BLOCK", "MX_RULES", "MXTensor", "from_quantized", "mx_quantize", "mx_dequantize", "swizzle_scales", "mx_mm", "mx_linear"]
 
 MX_BLOCK = 32
 MX_RULES = ("floor", "rceil")
@@ -103,6 +103,20 @@ def mx_quantize(x: torch.Tensor, *, fmt: str = "e4m3", rule: str = "floor", bloc
         scaled = groups * inverse.unsqueeze(-1)
     data = scaled.clamp_(-fp8_max, fp8_max).to(FP8_DTYPES[fmt]).reshape(x.shape)
     return MXTensor(data, (k + E8M0_BIAS).to(torch.uint8), fmt, block)
+
+
+def from_quantized(q: QuantizedTensor) -> MXTensor:
+    """A 2-D operand in 1x32 groups (``group32``) with power-of-two scales -- the mxfp8 recipe's, from
+    fp8core.quant -- as an MX tensor: K zero-padded to the block (code 0 is +0), each scale 2**e as its E8M0 byte
+    e + 127 (frexp: exact, no host read)."""
+    if q.granularity != "group32" or q.data.dim() != 2:
+        raise ValueError(f"from_quantized: needs a 2-D group32 operand, got {q.granularity} {tuple(q.data.shape)}")
+    rows, k = q.data.shape
+    pad = -k % MX_BLOCK
+    data = q.data.contiguous()  # row-major: mx_mm hands the second operand to torch transposed (column-major)
+    data = torch.nn.functional.pad(data.view(torch.uint8), (0, pad)).view(data.dtype) if pad else data
+    _, e = torch.frexp(q.scale)  # scale = 0.5 x 2**e
+    return MXTensor(data, (e - 1 + E8M0_BIAS).to(torch.uint8), q.fmt, MX_BLOCK)
 
 
 def mx_dequantize(q: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -4,10 +4,9 @@ reference / oneDNN kernel), the ``scaled_mm`` backend of fp8core.linear. One cal
 * blockwise E4M3 (the forward and dgrad: 1x128 activations x 128x128 weight blocks; the wgrad: 1x128 x 1x128 along
   the tokens): ``torch.nn.functional.scaled_mm`` with DeepSeek-style block scaling (cuBLASLt on SM90, FP32 output),
   its scales laid out as torch requires (:func:`blockwise_args`);
-* rowwise / tensorwise: ``torch._scaled_mm`` with row / tensor scales;
-* 1x32 groups with power-of-two scales on both operands (the mxfp8 recipe): torch's MX GEMM
-  (``fp8core.mx.mx_mm``: BlockWise1x32, E8M0 scales swizzled as cuBLAS reads them; Blackwell), each FP32 scale
-  turned into its exponent byte on the device.
+* rowwise / tensorwise: ``torch._scaled_mm`` with row / tensor scales.
+* (1x32 groups with power-of-two scales, the mxfp8 recipe, go to torch's MX GEMM instead: fp8core.mx.mx_mm, called
+  by fp8core.linear.fp8_mm.)
 
 Blockwise with an E5M2 operand (the "hybrid" gradients: cuBLASLt's block-scaled kernels take E4M3 only), and any
 device whose torch rejects the blockwise call as unsupported (a CPU does: "Invalid scaling configuration"; a torch
@@ -192,22 +191,7 @@ def paths(device: torch.device | str) -> dict[str, str]:
     return {"blockwise_e4m3": blockwise, "rowwise": rowwise}
 
 
-def _as_mx(q: QuantizedTensor):
-    """A 1x32-group operand with power-of-two scales as an MX tensor: K zero-padded to the block (code 0 is +0), each
-    scale 2**e as its E8M0 byte e + 127 (frexp: exact, no host read)."""
-    from fp8core.mx import E8M0_BIAS, MX_BLOCK, MXTensor
-
-    rows, k = q.data.shape
-    kp = -(-k // MX_BLOCK) * MX_BLOCK
-    _, e = torch.frexp(q.scale)  # scale = 0.5 x 2**e
-    return MXTensor(_pad_u8(q.data, rows, kp), (e - 1 + E8M0_BIAS).to(torch.uint8), q.fmt, MX_BLOCK)
-
-
 def _fp8_mm_scaled(a: QuantizedTensor, b: QuantizedTensor) -> torch.Tensor:
-    if a.granularity == b.granularity == "group32":
-        from fp8core.mx import mx_mm
-
-        return mx_mm(_as_mx(a), _as_mx(b), out_dtype=torch.float32)
     if blockwise_form(a, b):
         out = _blockwise(a, b)
         if out is not None:

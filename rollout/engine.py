@@ -447,21 +447,11 @@ class RolloutWorker:
         return self._last_refit_s
 
     def _refit_loader(self, names) -> tuple:
-        """``(load(items), finish())`` for a refit carrying ``names``: the served FP8 state copied in place into the
-        engine's parameters (rollout/inplace_refit.py) where every name has a home there, else vLLM's layerwise
-        ``reload_weights`` (which also takes FP32 masters and every staged method). ``stats()['refit_loader']``
-        says which ran last."""
-        from rollout.inplace_refit import plan
+        """``(load(items), finish())`` for a refit of ``names`` (rollout.inplace_refit.loader; which: stats())."""
+        from rollout.inplace_refit import loader
 
-        inplace = self.llm.apply_model(lambda model: plan(model, names))[0] if self._inplace_refit else None
-        self._last_refit_loader = "in_place" if inplace is not None else "vllm_reload"
-        if inplace is None:
-            def reload(items) -> None:
-                self.llm.collective_rpc("reload_weights",
-                                        kwargs={"weights_iterator": items, "is_checkpoint_format": True})
-
-            return reload, lambda: None
-        return (lambda items: self.llm.apply_model(lambda _model: inplace.load(items))), inplace.finish
+        load, finish, self._last_refit_loader = loader(self.llm, names, in_place=self._inplace_refit)
+        return load, finish
 
     # ------------------------------------------------------------------ refit over the wire
     def refit_join(self, address: str, *, rank: int, world: int, senders: int, generation: int,

@@ -21,7 +21,7 @@ ones) -- keeps vLLM's reload, which handles every form. Both give the same param
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
@@ -138,3 +138,17 @@ def plan(model: torch.nn.Module, names: Iterable[str]) -> InPlaceRefit | None:
         elif not _loads_as_is(target.module):
             return None
     return InPlaceRefit(model, targets)
+
+
+def loader(llm, names: Iterable[str], *, in_place: bool = True) -> tuple[Callable, Callable, str]:
+    """``(load(items), finish(), which)`` for a refit carrying ``names`` into the vLLM engine ``llm`` (in this
+    process): the in-place copy where :func:`plan` finds a home for every name (``which`` = ``"in_place"``), else
+    vLLM's layerwise ``reload_weights`` (``"vllm_reload"``; it also takes FP32 masters and every staged method);
+    ``in_place=False`` (``refit_loader: vllm_reload``) always the latter."""
+    inplace = llm.apply_model(lambda model: plan(model, names))[0] if in_place else None
+    if inplace is None:
+        def reload(items) -> None:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+
+        return reload, lambda: None, "vllm_reload"
+    return (lambda items: llm.apply_model(lambda _model: inplace.load(items))), inplace.finish, "in_place"

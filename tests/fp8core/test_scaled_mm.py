@@ -161,3 +161,28 @@ def test_e5m2_is_not_a_blockwise_form():
 def _block(w):
     q = quantize(w, "block128")
     return q.data, q.scale, q.granularity, q.fmt
+
+
+@needs_blockwise
+@pytest.mark.parametrize("m,k,n", [(64, 512, 384), (1, 520, 300)])
+def test_mxfp8_linear_on_the_meta_device_is_three_mx_calls(m, k, n, monkeypatch):
+    """The mxfp8 recipe on scaled_mm: forward, dgrad and wgrad are one torch MX GEMM each (1x32 block scaling on both
+    operands, swizzled E8M0 scales), on the meta device -- so nothing is read back to the host; K not a multiple of
+    32 and one token included."""
+    seen = []
+    real = F.scaled_mm
+
+    def record(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kw):
+        seen.append((recipe_a, recipe_b, scale_a.dtype, scale_b.dtype, kw.get("swizzle_a"), kw.get("swizzle_b")))
+        return real(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, **kw)
+
+    monkeypatch.setattr(F, "scaled_mm", record)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: pytest.fail("a row / tensor scaled call ran"))
+    cfg = FP8LinearConfig(recipe="mxfp8", pow2_weight=True, pow2_activation=True, backend="scaled_mm")
+    lin = FP8Linear(k, n, bias=True, device="meta", config=cfg)
+    x = torch.empty(m, k, device="meta", requires_grad=True)
+    y = lin(x)
+    y.backward(torch.empty(m, n, device="meta"))
+    assert y.shape == (m, n) and x.grad.shape == (m, k) and lin.weight.grad.shape == (n, k)
+    mx, e8m0, swz = F.ScalingType.BlockWise1x32, torch.float8_e8m0fnu, F.SwizzleType.SWIZZLE_32_4_4
+    assert seen == [(mx, mx, e8m0, e8m0, swz, swz)] * 3
