@@ -18,6 +18,8 @@ process's threads, of:
 * ``onednn fp8``: torch.ops.onednn.qlinear_pointwise on E4M3 codes with FP32 output, one per-tensor activation scale
   and per-channel weight scales -- the only FP8 GEMM torch ships for the CPU (a blockwise GEMM would call it once per
   128-wide K block);
+* ``mxfp8 cpu op linear``: the same call for the mxfp8 recipe (1x32 groups along K on both operands, power-of-two
+  scales: 32-column K blocks in the op);
 * ``bf16 per-block``: the blockwise FP8 GEMM's structure on BF16 units (one BF16 GEMM per 128-wide K block, partial
   sums accumulated in FP32), whose partial sums torch rounds to BF16 -- not an FP8 GEMM's numerics, shown for its
   speed only.
@@ -26,8 +28,8 @@ process's threads, of:
 batch -- what trainer = engine identity needs from a GEMM (the engine's batches differ from the trainer's).
 
 A second table times a linear's forward + backward (y, dX and dW) as the trainer runs it: the trainer's FP8Linear
-(FP32 master weight, blockwise, its weight quantized once and cached as between optimizer updates) on the CPU op
-and on the emulation, against torch's native BF16 linear (BF16 input and weight, ``F.linear`` + autograd), median of
+(FP32 master weight, blockwise -- and mxfp8, ``mxfp8 ...`` rows -- its weight quantized once and cached as between
+optimizer updates) on the CPU op and on the emulation, against torch's native BF16 linear (BF16 input and weight, ``F.linear`` + autograd), median of
 ``--fwd-bwd-repeats`` (default 9). Tables, stamped: docs/results/gemm.md.
 """
 from __future__ import annotations
@@ -99,7 +101,10 @@ def kernels(m: int, k: int, n: int) -> dict:
         return out
 
     w_packed = pack_weight(w_q, "blockwise") if gemm.available() else None  # once per refit / optimizer update
-    cpu_op = {"fp8 cpu op linear": lambda rows: fp8_linear_forward_cpu(x[:rows], w_packed, recipe="blockwise")
+    mx_packed = pack_weight(quantize(w, "group32", pow2=True), "mxfp8") if gemm.available() else None
+    cpu_op = {"fp8 cpu op linear": lambda rows: fp8_linear_forward_cpu(x[:rows], w_packed, recipe="blockwise"),
+              "mxfp8 cpu op linear": lambda rows: fp8_linear_forward_cpu(x[:rows], mx_packed, recipe="mxfp8",
+                                                                         pow2_activation=True),
               } if w_packed is not None else {}
     return {
         **cpu_op,
@@ -141,17 +146,20 @@ def fwd_bwd_kernels(m: int, k: int, n: int) -> dict:
     w = torch.randn(n, k, generator=g) * k ** -0.5
     dy = torch.randn(m, n, generator=g)
     out = {}
-    for backend in (["cpu"] if gemm.available() else []) + ["emulated"]:
-        lin = FP8Linear(k, n, bias=False, config=FP8LinearConfig(recipe="blockwise", backend=backend))
-        with torch.no_grad():
-            lin.weight.copy_(w)
-        xr = x.clone().requires_grad_()
+    for recipe, label in (("blockwise", "fp8"), ("mxfp8", "mxfp8")):
+        for backend in (["cpu"] if gemm.available() else []) + ["emulated"]:
+            pow2 = recipe == "mxfp8"
+            lin = FP8Linear(k, n, bias=False, config=FP8LinearConfig(recipe=recipe, backend=backend, pow2_weight=pow2,
+                                                                     pow2_activation=pow2))
+            with torch.no_grad():
+                lin.weight.copy_(w)
+            xr = x.clone().requires_grad_()
 
-        def step(lin=lin, xr=xr):
-            lin.weight.grad, xr.grad = None, None
-            lin(xr).backward(dy)
+            def step(lin=lin, xr=xr):
+                lin.weight.grad, xr.grad = None, None
+                lin(xr).backward(dy)
 
-        out[f"fp8 {backend} fwd+bwd"] = step
+            out[f"{label} {backend} fwd+bwd"] = step
     xb, wb, dyb = x.to(torch.bfloat16).requires_grad_(), w.to(torch.bfloat16).requires_grad_(), dy.to(torch.bfloat16)
 
     def bf16():
