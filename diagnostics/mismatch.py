@@ -11,6 +11,7 @@ RL's metric, fp8core.rl.mismatch_metrics, as logged every step; 1.0 = identical)
     (b) configs/tiny_fp8_rollout.yaml   FP8 rollout (linears)   / FP32 trainer (its policy.precision)
     (c) configs/tiny_fp8_e2e.yaml       FP8 rollout (linears)   / FP8 trainer (same FP8 numerics, end to end)
     (d) configs/tiny_fp8_e2e_kv.yaml    (c) + FP8 KV cache      / FP8 trainer
+    (e) configs/tiny_mxfp8_e2e.yaml     MXFP8 rollout (linears) / MXFP8 trainer (end to end)
 
 Rows with an FP8 KV cache get their K/V scales as the pipeline does at refit: the row's own trainer calibrates them
 (``PolicyWorker.calibrate_kv_scales``, ``calibration.kv_calibration_samples`` sequences) on an FP8 rollout of the
@@ -39,7 +40,8 @@ from tools.results import add_results_doc_args, format_result, results_doc, stam
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
-ROWS = {"a": "tiny_bf16.yaml", "b": "tiny_fp8_rollout.yaml", "c": "tiny_fp8_e2e.yaml", "d": "tiny_fp8_e2e_kv.yaml"}
+ROWS = {"a": "tiny_bf16.yaml", "b": "tiny_fp8_rollout.yaml", "c": "tiny_fp8_e2e.yaml", "d": "tiny_fp8_e2e_kv.yaml",
+        "e": "tiny_mxfp8_e2e.yaml"}
 TITLE = "Train/inference mismatch per recipe: results"
 
 
@@ -169,7 +171,7 @@ def describe(cfg: Config) -> str:
 def mismatch_table(model_dir: str | Path, *, run_dir: str | Path, prompts: list[str], n: int = 4, seed: int = 0,
                    overrides: Sequence[str] = (), fp8: Mapping[str, object] | None = None,
                    rows: Mapping[str, str] = ROWS) -> dict:
-    """Rows (a)-(d) of the module docstring: ``load_config(configs/<recipe>, overrides + FP8 settings + run_dir)``
+    """Rows (a)-(e) of the module docstring: ``load_config(configs/<recipe>, overrides + FP8 settings + run_dir)``
     per row, measured by :func:`measure`. Returns the JSON-able table (rows' metrics, recipes, engines, K/V scales)
     plus ``"scored"``: per row the trainer's logprobs ``[B, L]`` and the rollouts (not JSON)."""
     run_dir = Path(run_dir)
@@ -225,7 +227,7 @@ def format_results(table: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description="The (a)-(d) train/inference mismatch table: one row per recipe, "
+    ap = argparse.ArgumentParser(description="The (a)-(e) train/inference mismatch table: one row per recipe, "
                                              "engine and trainer built from it (module docstring)")
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "mismatch"))
     ap.add_argument("--model-dir", help="an HF model dir to use instead of the recipes' SFT warm start")

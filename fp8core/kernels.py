@@ -16,8 +16,10 @@ The build targets the CPU kind of :mod:`fp8core.cpu` (``-mavx2 -mfma``, plus ``-
 -mavx512dq`` on AVX-512 kinds; no ``-march=native``), so a capped process (``FP8GRPO_CPU_CAP=avx2``) runs the AVX2
 build, and the build directory is keyed by kind + source hash + flags + torch version (and where the sources and torch
 live, so checkouts sharing the cache do not rebuild each other's): a cache shared between machines never loads code
-for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno -fopenmp`` and without ``-ffast-math`` (which
-would change the rounding); OpenMP because ATen's ``parallel_for`` opens its parallel region in the extension's own
+for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno -fno-trapping-math -fopenmp`` and without ``-ffast-math`` (which
+would change the rounding; ``-fno-trapping-math`` changes no value -- it lets GCC compute both sides of the
+quantizer's selects, so the row loops vectorize on AVX2 too, which has no masked lanes: 2.6-3.3x the quantize
+throughput there); OpenMP because ATen's ``parallel_for`` opens its parallel region in the extension's own
 code (without it every kernel ran on one thread: :func:`parallel_width` tells). Build directory: :func:`build_root`.
 The sources include ATen's and the operator library's headers only (not torch/extension.h, which tripled each
 file's compile time): the first build takes ~15 s on one core; later loads, in any process, ~0.1 s. The build is a
@@ -44,7 +46,7 @@ _SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("qdq.cpp",
 _HEADERS = (Path(__file__).with_name("csrc") / "quant.h",)  # included by both sources: part of the build key
 # -fopenmp: ATen's parallel_for expands its OpenMP region in the extension's code (without the flag every kernel runs
 # on one thread); at run time the process's libgomp (torch's) serves it
-_BASE_CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+_BASE_CFLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
 _log = logging.getLogger("fp8core.kernels")
 _lock = threading.Lock()
 _state: dict = {}

@@ -109,7 +109,7 @@ class InPlaceRefit:
             todo = self.pending.setdefault(target.key, set(target.needs))
             todo.discard((*target.piece, kind))
             if not todo:
-                method._prepare_gemm(target.module)
+                method.prepare_gemm(target.module)
         if plain:
             self.model.load_weights(iter(plain))
 

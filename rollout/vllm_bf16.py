@@ -229,7 +229,7 @@ class Bf16EmulatedMoEMethod(FusedMoEMethodBase):
             raise ValueError(f"expert {e} {proj}: {tuple(weight.shape)}, the layer holds {tuple(dst.shape)}")
         dst.copy_(round_bf16(weight.to(torch.float32)))
 
-    def _prepare_gemm(self, layer: torch.nn.Module) -> None:
+    def prepare_gemm(self, layer: torch.nn.Module) -> None:
         """Nothing beyond the rounded weights themselves (the dense FP8 / experts methods rebuild their packed form
         here)."""
 

@@ -275,7 +275,7 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
                                  "FP8 (e4m3) codes")
             layer.weight = Parameter(data, requires_grad=False)
             layer.weight_scale_inv = Parameter(layer.weight_scale_inv.data, requires_grad=False)
-            self._prepare_gemm(layer)
+            self.prepare_gemm(layer)
             return
         datas, scales = [], []
         offset = 0
@@ -286,9 +286,9 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
             offset += width
         layer.weight = Parameter(torch.cat(datas, 0), requires_grad=False)
         layer.weight_scale_inv = Parameter(torch.cat(scales, 0).to(torch.float32), requires_grad=False)
-        self._prepare_gemm(layer)
+        self.prepare_gemm(layer)
 
-    def _prepare_gemm(self, layer: torch.nn.Module) -> None:
+    def prepare_gemm(self, layer: torch.nn.Module) -> None:
         """What ``apply`` reads, computed once per load / refit: for the CPU FP8 GEMM the partitions' codes packed
         side by side with their scales per row and K block (``fp8core.gemm.PackedWeight``: 2 bytes per weight on
         CPUs with BF16 units, 4 without, + ~1/32 of a byte of scales); for the emulation the partitions' FP32
@@ -306,7 +306,7 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
                        scale: torch.Tensor | None = None) -> None:
         """A served refit's partition ``i`` (its FP8 codes, as float8 or their bytes, and/or its ``weight_scale_inv``)
         copied in place into the layer's rows of ``weight`` / ``weight_scale_inv`` (rollout/inplace_refit.py); the
-        GEMM's form follows with :meth:`_prepare_gemm` once every partition is in."""
+        GEMM's form follows with :meth:`prepare_gemm` once every partition is in."""
         widths, gran = layer.logical_widths, self.config.weight_granularity
         if weight is not None:
             row = sum(widths[:i])
@@ -430,7 +430,7 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
                     scale: torch.Tensor | None = None) -> None:
         """A served refit's expert ``e`` projection ``proj`` (gate / up / down: its FP8 codes, as float8 or their
         bytes, and/or its ``weight_scale_inv``) copied in place into the layer's ``w13`` / ``w2`` rows
-        (rollout/inplace_refit.py); the GEMM's form follows with :meth:`_prepare_gemm` once every expert is in."""
+        (rollout/inplace_refit.py); the GEMM's form follows with :meth:`prepare_gemm` once every expert is in."""
         q = self.expert_weights(layer, e)[proj]
         for src, dst in ((weight, q.data), (scale, q.scale)):
             if src is None:
@@ -477,9 +477,9 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
             data, sc = out[kind]
             setattr(layer, f"{kind}_weight", Parameter(data, requires_grad=False))
             setattr(layer, f"{kind}{_SCALE}", Parameter(sc, requires_grad=False))
-        self._prepare_gemm(layer)
+        self.prepare_gemm(layer)
 
-    def _prepare_gemm(self, layer: torch.nn.Module) -> None:
+    def prepare_gemm(self, layer: torch.nn.Module) -> None:
         """What ``forward`` reads besides the codes, once per load / refit: the GEMM backend; the emulation's FP32
         weights only when emulating, dequantized once (same values as per forward); the CPU op's packed weights."""
         layer.fp8core_backend = backend = resolve_backend(self.config.spec.backend, layer.w13_weight.device)

@@ -1,4 +1,4 @@
-"""The (a)-(d) train/inference mismatch table through its entry point (``diagnostics.mismatch.main``) on the (briefly
+"""The (a)-(e) train/inference mismatch table through its entry point (``diagnostics.mismatch.main``) on the (briefly
 SFT-ed) tiny model, and the one-path check: each row is exactly what a RolloutWorker + PolicyWorker built from the
 row's recipe give on their own."""
 import json
