@@ -60,7 +60,7 @@ def test_results_file(tmp_path):
 
 def test_numerics_sections_run():
     q = B.bench_quantize((64, 256), reps=1)
-    assert set(q) == {"copy", "tensorwise", "rowwise", "group128", "block128"} and min(q.values()) > 0
+    assert set(q) == {"copy", "tensorwise", "rowwise", "group128", "group32", "block128"} and min(q.values()) > 0
     (lin,) = B.bench_linear([(64, 128, 128)], reps=1)
     assert lin["shape"] == "64x128->128" and lin["fp8_blockwise/fp32"] > 0 and lin["bf16_emulated/fp32"] > 0
     assert lin["fp8_blockwise/bf16"] > 0 and lin["bf16_native_ms"] > 0

@@ -34,8 +34,9 @@ def _cfg(run_dir, *extra):
         f"{f8}.backend=cpu", *extra])  # the CPU FP8 GEMM on every CPU kind (auto: the emulation without BF16 units)
 
 
-@pytest.fixture(scope="module")
-def pair(model_dir, tmp_path_factory):
+def _trained(model_dir, cfg, tmp):
+    """A trainer after one real GRPO update on an engine's rollouts (both built from ``cfg``), the engine refit with
+    its served weights: (policy, engine, prompts)."""
     import random
 
     from embedded.tiny_model import chat_prompt
@@ -43,8 +44,6 @@ def pair(model_dir, tmp_path_factory):
     from rollout.engine import RolloutWorker
     from trainer.policy import PolicyWorker
 
-    tmp = tmp_path_factory.mktemp("moe")
-    cfg = _cfg(tmp)
     policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
     engine = RolloutWorker(model_dir, cfg, run_dir=tmp / "rollout")
     rng = random.Random(0)
@@ -55,6 +54,13 @@ def pair(model_dir, tmp_path_factory):
     rewards[0] = 1.0 - rewards[0]
     assert policy.train_step(outs, rewards, step=1)["train/optimizer_updates"] >= 1
     engine.refit(policy.refit_weights(), weights_version=1)
+    return policy, engine, prompts
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe")
+    policy, engine, prompts = _trained(model_dir, _cfg(tmp), tmp)
     yield policy, engine, prompts
     engine.shutdown()
 
@@ -63,6 +69,13 @@ def _experts(model, layer: int):
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
     return next(m for m in model.model.layers[layer].mlp.experts.modules() if isinstance(m, RoutedExperts))
+
+
+def _held_experts(engine, layer: int, n: int) -> list[dict]:
+    """The engine's FP8 experts of ``layer`` as it holds them: per expert {gate / up / down: (codes, scales)}."""
+    return engine.llm.apply_model(lambda m: [
+        {p: (q.data.clone(), q.scale.clone()) for p, q in _experts(m, layer).quant_method.expert_weights(
+            _experts(m, layer), e).items()} for e in range(n)])[0]
 
 
 def test_engine_experts_hold_the_trainers_fp8_weights_bit_for_bit(pair):
@@ -75,9 +88,7 @@ def test_engine_experts_hold_the_trainers_fp8_weights_bit_for_bit(pair):
     for layer in range(FIRST, n_layers):
         ex = policy.model.model.layers[layer].mlp.experts
         assert isinstance(ex, FP8Experts) and ex.fp8_enabled
-        held = engine.llm.apply_model(lambda m, i=layer, k=ex.num_experts: [
-            {p: (q.data.clone(), q.scale.clone()) for p, q in _experts(m, i).quant_method.expert_weights(
-                _experts(m, i), e).items()} for e in range(k)])[0]
+        held = _held_experts(engine, layer, ex.num_experts)
         for e in range(ex.num_experts):
             for part in ("gate", "up", "down"):
                 q = ex.quantized_weight(e, part)
@@ -264,31 +275,14 @@ def test_mxfp8_experts_equal_the_trainers_after_a_refit(model_dir, tmp_path):
     """The mxfp8 recipe on the MoE model: after a real update and a served refit (in place), every FP8 expert holds
     the trainer's 1x32-group codes and power-of-two scales bit for bit, and an experts layer's output for the same
     input and routing is the trainer's."""
-    import random
-
-    from embedded.tiny_model import chat_prompt
-    from rewards.math_task import make_problem, reward
-    from rollout.engine import RolloutWorker
-    from trainer.policy import PolicyWorker
-
     f8 = "policy.megatron_cfg.fp8_cfg"
     cfg = _cfg(tmp_path, f"{f8}.fp8_recipe=mxfp8", f"{f8}.pow2_activation_scaling_factors=true")
-    policy = PolicyWorker(model_dir, cfg, run_dir=cfg.run_dir)
-    engine = RolloutWorker(model_dir, cfg, run_dir=tmp_path / "rollout")
+    policy, engine, _ = _trained(model_dir, cfg, tmp_path)
     try:
-        rows = [make_problem(random.Random(0)) for _ in range(2)]
-        outs = engine.generate([chat_prompt(engine.tokenizer, r["question"]) for r in rows], n=4, max_tokens=16,
-                               seed=0)
-        rewards = [reward(s["text"], r["answer"]) for o, r in zip(outs, rows, strict=True) for s in o["samples"]]
-        rewards[0] = 1.0 - rewards[0]
-        assert policy.train_step(outs, rewards, step=1)["train/optimizer_updates"] >= 1
-        engine.refit(policy.refit_weights(), weights_version=1)
         assert engine.stats()["refit_loader"] == "in_place"
         for layer in range(FIRST, policy.model.config.num_hidden_layers):
             ex = policy.model.model.layers[layer].mlp.experts
-            held = engine.llm.apply_model(lambda m, i=layer, k=ex.num_experts: [
-                {p: (q.data.clone(), q.scale.clone()) for p, q in _experts(m, i).quant_method.expert_weights(
-                    _experts(m, i), e).items()} for e in range(k)])[0]
+            held = _held_experts(engine, layer, ex.num_experts)
             for e in range(ex.num_experts):
                 for part in ("gate", "up", "down"):
                     q = ex.quantized_weight(e, part)
