@@ -5,8 +5,8 @@ object store, with N engines and M data-parallel trainers, at the bench's model 
                                     [--recipe configs/tiny_fp8_e2e.yaml] [--results-doc PATH | --no-results-doc]
 
 Per size, transport and engine loader (``policy.generation.vllm_cfg.refit_loader``: the in-place copy on both
-transports, and vLLM's reload over the group, the loader before it) the workers are started fresh (cluster.start_workers, ``cluster.refit_transport`` set), every
-worker's peak RSS is reset, one refit warms up (and forms the group), then ``--repeats`` refits run through the refit
+transports, and vLLM's reload over the group, the loader before it) the workers are started fresh
+(cluster.start_workers, ``cluster.refit_transport`` set), every worker's peak RSS is reset, one refit warms up (and forms the group), then ``--repeats`` refits run through the refit
 task. Reported: the median refit seconds and its parts (the senders making their buckets, the wire, the engines'
 loader); the served state S (the FP8 codes, scales and BF16 rest: what the group's senders broadcast, less alignment
 and checksums); the bytes that cross between processes per refit (the group: each sender's share to each engine,
@@ -28,7 +28,6 @@ from pathlib import Path
 from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-TRANSPORTS = ("collective", "object_store")
 # (transport, engine loader) per row: both transports with the default loader, and the group with vLLM's reload
 ARMS = (("collective", "in_place"), ("object_store", "in_place"), ("collective", "vllm_reload"))
 

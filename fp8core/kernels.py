@@ -16,8 +16,8 @@ The build targets the CPU kind of :mod:`fp8core.cpu` (``-mavx2 -mfma``, plus ``-
 -mavx512dq`` on AVX-512 kinds; no ``-march=native``), so a capped process (``FP8GRPO_CPU_CAP=avx2``) runs the AVX2
 build, and the build directory is keyed by kind + source hash + flags + torch version (and where the sources and torch
 live, so checkouts sharing the cache do not rebuild each other's): a cache shared between machines never loads code
-for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno -fno-trapping-math -fopenmp`` and without ``-ffast-math`` (which
-would change the rounding; ``-fno-trapping-math`` changes no value -- it lets GCC compute both sides of the
+for an instruction set the CPU lacks. Built with ``-O3 -fno-math-errno -fno-trapping-math -fopenmp`` and without
+``-ffast-math`` (which would change the rounding; ``-fno-trapping-math`` changes no value -- it lets GCC compute both sides of the
 quantizer's selects, so the row loops vectorize on AVX2 too, which has no masked lanes: 2.6-3.3x the quantize
 throughput there); OpenMP because ATen's ``parallel_for`` opens its parallel region in the extension's own
 code (without it every kernel ran on one thread: :func:`parallel_width` tells). Build directory: :func:`build_root`.

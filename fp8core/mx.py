@@ -33,7 +33,8 @@ import torch
 from .formats import FP8_DTYPES, FP8_MAX, amax_groups
 from .quant import NON_FINITE, NonFiniteInput, QuantizedTensor, record_nonfinite
 
-__all__ = ["E8M0_BIAS", "MX_BLOCK", "MX_RULES", "MXTensor", "from_quantized", "mx_quantize", "mx_dequantize", "swizzle_scales", "mx_mm", "mx_linear"]
+__all__ = ["E8M0_BIAS", "MX_BLOCK", "MX_RULES", "MXTensor", "from_quantized", "mx_quantize", "mx_dequantize",
+           "swizzle_scales", "mx_mm", "mx_linear"]
 
 MX_BLOCK = 32
 MX_RULES = ("floor", "rceil")

@@ -91,7 +91,7 @@ from fp8core.linear import (
     resolve_backend,
 )
 from fp8core.moe import experts_forward
-from fp8core.quant import GROUP, QuantizedTensor, dequantize, quantize
+from fp8core.quant import GROUP, GROUP_SIZES, QuantizedTensor, dequantize, quantize
 from fp8core.spec import FP8Spec
 from rollout.engine_ops import engine_key, register_layer
 from rollout.vllm_bf16 import (
@@ -208,12 +208,26 @@ def _scale_shape(granularity: str, widths: list[int], k: int) -> tuple[int, ...]
         return (len(widths),)
     if granularity == "rowwise":
         return (sum(widths), 1)
-    if granularity == "group32":  # mxfp8: 1x32 groups along K per row
-        return (sum(widths), -(-k // 32))
+    if granularity in GROUP_SIZES:  # mxfp8's group32: 1x32 groups along K per row
+        return (sum(widths), -(-k // GROUP_SIZES[granularity]))
     return (sum(-(-n // GROUP) for n in widths), -(-k // GROUP))
 
 
 _SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
+
+
+def _copy_served(held: QuantizedTensor, weight: torch.Tensor | None, scale: torch.Tensor | None, what: str) -> None:
+    """A served refit's FP8 codes (float8 or their bytes) and / or scales copied into ``held``, a piece of a layer
+    as views of its parameters (a dense layer's partition, an expert's projection; rollout/inplace_refit.py)."""
+    if weight is not None:
+        if tuple(weight.shape) != tuple(held.data.shape):
+            raise ValueError(f"{what}: codes {tuple(weight.shape)}, the layer holds {tuple(held.data.shape)}")
+        held.data.view(torch.uint8).copy_(weight.view(torch.uint8))
+    if scale is not None:
+        if scale.numel() != held.scale.numel():
+            raise ValueError(f"{what}: {scale.numel()} scales, the {held.granularity} layout holds "
+                             f"{held.scale.numel()}")
+        held.scale.copy_(scale.reshape(held.scale.shape))
 
 
 def _scale_loader(layer: torch.nn.Module, granularity: str):
@@ -307,18 +321,7 @@ class Fp8CoreLinearMethod(Fp32StagedLinearMethod):
         """A served refit's partition ``i`` (its FP8 codes, as float8 or their bytes, and/or its ``weight_scale_inv``)
         copied in place into the layer's rows of ``weight`` / ``weight_scale_inv`` (rollout/inplace_refit.py); the
         GEMM's form follows with :meth:`prepare_gemm` once every partition is in."""
-        widths, gran = layer.logical_widths, self.config.weight_granularity
-        if weight is not None:
-            row = sum(widths[:i])
-            dst = layer.weight.data[row:row + widths[i]].view(torch.uint8)
-            if tuple(weight.shape) != tuple(dst.shape):
-                raise ValueError(f"partition {i}: codes {tuple(weight.shape)}, the layer holds {tuple(dst.shape)}")
-            dst.copy_(weight.view(torch.uint8))
-        if scale is not None:
-            dst = layer.weight_scale_inv.data[_scale_rows(gran, widths, i)]
-            if scale.numel() != dst.numel():
-                raise ValueError(f"partition {i}: {scale.numel()} scales, the {gran} layout holds {dst.numel()}")
-            dst.copy_(scale.reshape(dst.shape))
+        _copy_served(self.partitions(layer)[i], weight, scale, f"partition {i}")
 
     def partitions(self, layer: torch.nn.Module) -> list[QuantizedTensor]:
         """The layer's FP8 weight as one QuantizedTensor per logical partition (views, no copies)."""
@@ -431,14 +434,7 @@ class Fp8CoreMoEMethod(FusedMoEMethodBase):
         """A served refit's expert ``e`` projection ``proj`` (gate / up / down: its FP8 codes, as float8 or their
         bytes, and/or its ``weight_scale_inv``) copied in place into the layer's ``w13`` / ``w2`` rows
         (rollout/inplace_refit.py); the GEMM's form follows with :meth:`prepare_gemm` once every expert is in."""
-        q = self.expert_weights(layer, e)[proj]
-        for src, dst in ((weight, q.data), (scale, q.scale)):
-            if src is None:
-                continue
-            if src.numel() != dst.numel():
-                raise ValueError(f"expert {e} {proj}: {tuple(src.shape)}, the layer holds {tuple(dst.shape)}")
-            (dst.view(torch.uint8) if dst.dtype == torch.float8_e4m3fn else dst).copy_(
-                (src.view(torch.uint8) if dst.dtype == torch.float8_e4m3fn else src).reshape(dst.shape))
+        _copy_served(self.expert_weights(layer, e)[proj], weight, scale, f"expert {e} {proj}")
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         weights, scales = layer.fp8core_weights_loaded, layer.fp8core_scales_loaded
