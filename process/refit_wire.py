@@ -26,7 +26,7 @@ One refit (:func:`send` on the trainer ranks, :func:`receive` on the engines, ca
 Bytes moved per refit: N x the served state (each engine gets every sender's share once; the trainers exchange
 nothing but manifests). Memory: a sender holds one bucket of its shard (its tensors and its buffer), an engine one
 bucket (the senders' buffers and the joined tensors) beyond what each holds anyway. FP8 codes travel as bytes (gloo
-rejects float8 dtypes).
+rejects float8 dtypes); E8M0 scales arrive as ``float8_e8m0fnu`` views of their bytes.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ __all__ = ["Piece", "RefitGroup", "open_store", "join", "send", "receive", "chec
            "pieces_by_name", "node_ip"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
-                                                      torch.float8_e4m3fn, torch.float8_e5m2)}
+                                                      torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)}
 
 
 @dataclass(frozen=True)

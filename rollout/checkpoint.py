@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from fp8core.serve import SCALE_SUFFIX  # <module>.weight -> <module>.weight_scale_inv (FP8 refits)
+# SCALE_SUFFIX: <module>.weight -> <module>.weight_scale_inv (FP8 refits)
+from fp8core.serve import SCALE_SUFFIX, scale_from_served, served_scale_dtype
 
 # Decoder-only architectures whose linears / attention layout the FP8 method and the KV-scale setter handle (dense,
 # and Qwen3-MoE: experts through rollout/vllm_fp8.py Fp8CoreMoEMethod / rollout/vllm_bf16.py Bf16EmulatedMoEMethod).
@@ -95,8 +96,11 @@ def check_refit_weights(weights, *, param_shapes: Mapping[str, tuple[int, ...]],
         if fp8 and name in fp8_weight_names:
             if t.dtype == torch.uint8:  # FP8 codes sent as bytes (float8 tensors do not pickle in torch 2.13)
                 t = t.view(torch.float8_e4m3fn)
-            check_fp8_weight(name, t, weights[name + SCALE_SUFFIX], fp8_spec)
-            items += [(name, t), (name + SCALE_SUFFIX, weights[name + SCALE_SUFFIX].detach())]
+            scale = weights[name + SCALE_SUFFIX]
+            if isinstance(scale, torch.Tensor):  # E8M0 scales likewise as their bytes
+                scale = scale_from_served(scale.detach(), fp8_spec.weight_granularity)
+            check_fp8_weight(name, t, scale, fp8_spec)
+            items += [(name, t), (name + SCALE_SUFFIX, scale)]
             continue
         if not t.is_floating_point() or t.dtype.itemsize < 2:
             raise ValueError(f"refit weights[{name!r}] has dtype {t.dtype}; pass BF16/FP16/FP32 master weights"
@@ -115,6 +119,11 @@ def check_fp8_weight(name: str, data: torch.Tensor, scale, fp8_spec) -> None:
                          "codes (or their uint8 bytes) for the FP8 layers")
     if not isinstance(scale, torch.Tensor):
         raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] is a {type(scale).__name__}, not a tensor")
+    want = served_scale_dtype(fp8_spec.weight_granularity)
+    if scale.dtype != want:
+        raise ValueError(f"refit weights[{name + SCALE_SUFFIX!r}] has dtype {scale.dtype}; {fp8_spec.recipe} serves "
+                         f"its scales as {want}" + (" (or their uint8 bytes)" if want.itemsize == 1 else ""))
+    scale = scale.float()
     try:
         QuantizedTensor(data, scale, fp8_spec.weight_granularity, "e4m3")
     except ValueError as e:
@@ -144,9 +153,10 @@ def check_refit_manifest(pieces_by_name: Mapping[str, list], *, param_shapes: Ma
         if name.endswith(SCALE_SUFFIX):
             weight = name[:-len(SCALE_SUFFIX)]
             want = tuple(_scale_shape(param_shapes[weight], fp8_spec.weight_granularity))
-            if dtype != "float32" or shape != want:
+            want_dtype = str(served_scale_dtype(fp8_spec.weight_granularity)).removeprefix("torch.")
+            if dtype != want_dtype or shape != want:
                 return (f"refit weights[{name!r}] ({fp8_spec.recipe}) is {dtype} {shape}, the engine expects "
-                        f"float32 {want}")
+                        f"{want_dtype} {want}")
             continue
         if shape != tuple(param_shapes[name]):
             return f"refit weights[{name!r}] has shape {shape}, the model expects {tuple(param_shapes[name])}"

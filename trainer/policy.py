@@ -225,8 +225,10 @@ class PolicyWorker:
 
             state = full_state(self)  # data-parallel: full on rank 0 only, quantized there (no layer gathered)
             served = served_state_dict(self.model, hp_dtype=torch.bfloat16, state=state) if state else {}
-            # FP8 codes travel as their bytes (uint8): pickling float8 tensors fails in torch 2.13, and Ray pickles
-            return {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in served.items()}
+            # FP8 codes and E8M0 scales travel as their bytes (uint8): pickling float8 tensors fails in torch 2.13,
+            # and Ray pickles
+            return {k: v.view(torch.uint8) if v.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) else v
+                    for k, v in served.items()}
         return self.weights()
 
     def _serves_fp8(self) -> bool:

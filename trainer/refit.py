@@ -25,7 +25,7 @@ import torch
 from fp8core.linear import WEIGHT_GRANULARITY, WeightCache
 from fp8core.moe import checkpoint_state_dict
 from fp8core.quant import _scale_shape
-from fp8core.serve import SCALE_SUFFIX, served_recipes
+from fp8core.serve import SCALE_SUFFIX, served_recipes, served_scale, served_scale_dtype
 from fp8core.shard import quantize_shard, shard_amax
 from process.refit_wire import Piece
 
@@ -99,7 +99,7 @@ class ServedShard:
             self._add(name, ("shard", name, local, amax, gran, start, rows, config.pow2_weight),
                       Piece(name, "uint8", tuple(local.shape), start, rows))
             if rank == 0:  # the whole weight's scale, the same on every rank
-                self._add_scale(name, _scale_shape((rows, local.shape[1]), gran))
+                self._add_scale(name, _scale_shape((rows, local.shape[1]), gran), gran)
 
     def _bucket(self, name: str) -> int:
         return bucket_of(name, self._layers, self._others)
@@ -109,11 +109,12 @@ class ServedShard:
         self._jobs[b].append(job)
         self.manifest[b].append(piece)
 
-    def _add_scale(self, name: str, shape) -> None:
-        """The scale of FP8 weight ``name``, in its weight's bucket right after the codes that compute it."""
+    def _add_scale(self, name: str, shape, granularity: str) -> None:
+        """The scale of FP8 weight ``name`` (in its served dtype: E8M0 for 1x32 groups, else FP32), in its weight's
+        bucket right after the codes that compute it."""
         b = self._bucket(name)
-        self._jobs[b].append(("scale_of", name, tuple(shape)))
-        self.manifest[b].append(Piece(name + SCALE_SUFFIX, "float32", tuple(shape)))
+        self._jobs[b].append(("scale_of", name, tuple(shape), granularity))
+        self.manifest[b].append(Piece(name + SCALE_SUFFIX, _dt(served_scale_dtype(granularity)), tuple(shape)))
 
     def _check_finite(self, name: str, t: torch.Tensor) -> None:
         if self.error is None and not bool(torch.isfinite(t).all()):
@@ -127,7 +128,8 @@ class ServedShard:
             self._add(name, ("hp", t, hp), Piece(name, _dt(hp), tuple(t.shape)))
             return
         self._add(name, ("whole_fp8", name, t, config), Piece(name, "uint8", tuple(t.shape)))
-        self._add_scale(name, _scale_shape(tuple(t.shape), WEIGHT_GRANULARITY[config.recipe]))
+        gran = WEIGHT_GRANULARITY[config.recipe]
+        self._add_scale(name, _scale_shape(tuple(t.shape), gran), gran)
 
     def _reduce_amax(self, sharded, all_reduce_max) -> dict[str, torch.Tensor]:
         """Every sharded FP8 weight's whole amax: this rank's on the whole scale grid, all of them in one
@@ -162,8 +164,8 @@ class ServedShard:
                 codes, scales[name] = quantize_shard(local, amax, gran, row_offset=start, rows=rows, pow2=pow2)
                 out.append(codes.view(torch.uint8))
             else:  # "scale_of": the scale of the FP8 weight named, computed just before it
-                _, name, shape = job
-                out.append(scales[name].reshape(shape).float())
+                _, name, shape, gran = job
+                out.append(served_scale(scales[name].reshape(shape).float(), gran))
         return out
 
 

@@ -167,6 +167,8 @@ def test_fp8_refit_per_recipe_bit_identical_weights_and_outputs(model_dir, tmp_p
         payload = policy.refit_weights()
         fp8_names = [n for n in payload if n.endswith("_scale_inv")]
         assert fp8_names and all(payload[n[:-len("_scale_inv")]].dtype == torch.uint8 for n in fp8_names)  # bytes
+        # scales: FP32, or MX's E8M0 exponents as one byte each (a quarter of the scale bytes)
+        assert all(payload[n].element_size() == (1 if recipe == "mxfp8" else 4) for n in fp8_names)
         import pickle
 
         payload = pickle.loads(pickle.dumps(payload))  # crosses Ray's object store pickled
@@ -196,6 +198,7 @@ def test_refit_refuses_bad_fp8_payloads_and_stale_kv_scales(model_dir, tmp_path)
         payload = policy.refit_weights()
         name = "model.layers.2.mlp.up_proj.weight"
         for bad, match in [({name + "_scale_inv": payload[name + "_scale_inv"][:1]}, "weight_scale_inv"),
+                           ({name + "_scale_inv": payload[name + "_scale_inv"].bfloat16()}, "serves its scales as"),
                            ({name: payload[name].to(torch.bfloat16)}, "float8_e4m3fn"),
                            ({name: payload[name].view(torch.float8_e4m3fn)[:1]}, "shape"),
                            ({"model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(1)}, "does not have")]:
