@@ -13,11 +13,18 @@
   recipe). vLLM with that method loads the FP8 codes + ``weight_scale_inv`` as they are (no re-quantization), so the
   engine serves exactly what the trainer trained against -- tested: same tokens and logprobs as an engine refit
   from the trainer.
-* ``--layout vllm``: vLLM's native block-FP8 layout (``quant_method: fp8``, ``weight_block_size: [128, 128]``,
-  ``weight_scale_inv``, BF16-kept layers in ``ignored_layers``), blockwise recipes only, for GPU serving with vLLM's
-  own kernels. Those quantize activations with their own kernel, so serving is close to, not bit-identical with,
-  the trainer's numerics; vLLM's CPU build cannot run it (its FP8 ops are CUDA kernels). ``--eval`` loads it with
-  Hugging Face transformers' fine-grained FP8 loader instead (on a CPU it dequantizes the weights to BF16).
+* ``--layout vllm``: a layout vLLM's own kernels read, for GPU serving without this project's method. Those
+  quantize activations with their own kernels, so serving is close to, not bit-identical with, the trainer's
+  numerics.
+
+  - blockwise: vLLM's native block FP8 (``quant_method: fp8``, ``weight_block_size: [128, 128]``,
+    ``weight_scale_inv``, BF16-kept layers in ``ignored_layers``). vLLM's CPU build cannot run it (its FP8 ops are
+    CUDA kernels); ``--eval`` loads it with Hugging Face transformers' fine-grained FP8 loader instead (on a CPU it
+    dequantizes the weights to BF16).
+  - mxfp8: ModelOpt's MXFP8 (``quant_method: modelopt``, ``quant_algo: MXFP8``; ``weight_scale`` as the E8M0 bytes,
+    uint8 ``[N, K/32]``; BF16-kept layers and ``lm_head`` in ``ignore``), which vLLM serves with its MXFP8 kernels
+    (Blackwell; Marlin from SM80). ``--eval`` loads it with vLLM's own ModelOpt MXFP8 method; on a CPU, where vLLM
+    lists no MXFP8 GEMM, through vLLM's emulation kernel (codes times scales in BF16 at load).
 
 ``--eval`` (with ``--recipe``, the run's recipe) then loads the export back with a loader that did not write it and
 answers the validation prompts with it and with the checkpoint's own policy (``evaluate``).
@@ -35,6 +42,7 @@ from pathlib import Path
 import process.quiet  # noqa: F401  third-party start-up noise off before torch / transformers / torchao load
 
 LAYOUTS = ("fp8core", "vllm")
+VLLM_LAYOUTS = ("blockwise", "mxfp8")  # the recipes --layout vllm writes in a layout vLLM's own kernels read
 
 
 def _split_checkpoint(uri: str) -> tuple[str, int | None]:
@@ -51,10 +59,14 @@ def quantization_config(spec, num_hidden_layers: int, layout: str) -> dict:
         from rollout.vllm_fp8 import quantization_config_dict
 
         return quantization_config_dict(num_hidden_layers=num_hidden_layers, **fp8_spec_keys(spec))
-    if spec.recipe != "blockwise":
-        raise ValueError(f"--layout vllm: vLLM's native FP8 layout here is block FP8 (128x128); the checkpoint's "
-                         f"recipe is {spec.recipe!r} (use --layout fp8core)")
+    if spec.recipe not in VLLM_LAYOUTS:
+        raise ValueError(f"--layout vllm: vLLM's native FP8 layouts here are block FP8 (128x128, recipe blockwise) "
+                         f"and MXFP8 (recipe mxfp8); the checkpoint's recipe is {spec.recipe!r} (use --layout "
+                         "fp8core)")
     kept = sorted(set(range(num_hidden_layers)) - set(spec.layer_indices(num_hidden_layers)))
+    if spec.recipe == "mxfp8":  # ModelOpt's MXFP8 (config.json form): BF16-kept layers and lm_head excluded
+        return {"quant_method": "modelopt", "quant_algo": "MXFP8",
+                "ignore": ["lm_head", *(f"model.layers.{i}.*" for i in kept)]}
     ignored = [f"model.layers.{i}.{sub}.{proj}" for i in kept for sub, projs in
                (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj",
                                                                                   "down_proj")))
@@ -105,6 +117,8 @@ def export(checkpoint: str, out: str | Path, *, layout: str = "fp8core", recipe:
         convert_to_fp8(model, spec.linear_config(), num_first_layers_in_bf16=spec.num_first_layers_in_bf16,
                        num_last_layers_in_bf16=spec.num_last_layers_in_bf16)
         weights = served_state_dict(model, hp_dtype=torch.bfloat16)
+        if layout == "vllm" and spec.recipe == "mxfp8":
+            weights = _modelopt_mxfp8_names(weights)
         cfg["quantization_config"] = quantization_config(spec, int(cfg["num_hidden_layers"]), layout)
         cfg["dtype"] = "bfloat16"
         out.mkdir(parents=True, exist_ok=True)
@@ -116,6 +130,17 @@ def export(checkpoint: str, out: str | Path, *, layout: str = "fp8core", recipe:
                   metadata={"format": "pt", "fp8_grpo_spec": json.dumps(asdict(spec)),
                             "fp8_grpo_checkpoint": store.step_uri(step)})
     return out
+
+
+def _modelopt_mxfp8_names(served: dict) -> dict:
+    """The served MXFP8 state in ModelOpt's layout: each E8M0 ``weight_scale_inv`` (one byte per 1x32 group, the
+    dequantization scale ``2**(code - 127)``) as ``weight_scale`` in uint8, the dtype vLLM's MXFP8 layers hold."""
+    import torch
+
+    from fp8core.serve import SCALE_SUFFIX
+
+    return {(k[:-len(SCALE_SUFFIX)] + "_scale" if k.endswith(SCALE_SUFFIX) else k):
+            (t.view(torch.uint8) if k.endswith(SCALE_SUFFIX) else t) for k, t in served.items()}
 
 
 EVAL_TEMPERATURE = 0.01  # near-greedy, as the flow's validation (vLLM clamps lower temperatures to 0.01)
@@ -185,9 +210,12 @@ def evaluate(checkpoint: str, out: str | Path, *, recipe: str, overrides: list[s
         loaded = load_file(str(Path(out) / "model.safetensors"))
         reference = served
         loader = "the rollout engine (fp8core method), no refit"
+    elif cfg.rollout_fp8_spec().recipe == "mxfp8":
+        loaded, exported, loader = _vllm_mxfp8_answers(out, prompt_ids, gen.max_new_tokens, cfg)
+        reference = _dequantized(served, "group32")
     else:
         loaded, exported, loader = _transformers_answers(out, prompt_ids, gen.max_new_tokens)
-        reference = _dequantized(served)
+        reference = _dequantized(served, "block128")
     return {"prompts": len(items), "layout": layout, "loader": loader, **_compare_answers(items, exported, trained),
             **_compare_weights(reference, loaded)}
 
@@ -217,9 +245,9 @@ def _compare_weights(reference: dict, loaded: dict) -> dict:
             "keys_not_in_both": sorted(set(reference) ^ set(loaded))}
 
 
-def _dequantized(served: dict) -> dict:
-    """The served state with every FP8 weight replaced by its codes times its block scales in FP32 (what the
-    trainer's FP8 linear multiplies by) and the scale tensors dropped: the weights a dequantizing loader should
+def _dequantized(served: dict, granularity: str) -> dict:
+    """The served state with every FP8 weight replaced by its codes times its scales (``granularity``) in FP32 (what
+    the trainer's FP8 linear multiplies by) and the scale tensors dropped: the weights a dequantizing loader should
     hold, up to its own dtype."""
     from fp8core.quant import QuantizedTensor, dequantize
     from fp8core.serve import SCALE_SUFFIX
@@ -229,7 +257,69 @@ def _dequantized(served: dict) -> dict:
         if k.endswith(SCALE_SUFFIX):
             continue
         scale = served.get(k + SCALE_SUFFIX)
-        out[k] = t.float() if scale is None else dequantize(QuantizedTensor(t, scale, "block128", "e4m3"))
+        out[k] = t.float() if scale is None else dequantize(QuantizedTensor(t, scale.float(), granularity, "e4m3"))
+    return out
+
+
+def _vllm_mxfp8_answers(out: str | Path, prompt_ids: list[list[int]], max_new_tokens: int, cfg,
+                        ) -> tuple[dict, list[dict], str]:
+    """Load the MXFP8 ``--layout vllm`` export with vLLM's own ModelOpt MXFP8 method and answer ``prompt_ids``
+    greedily. vLLM lists no MXFP8 GEMM for CPUs; there its own emulation kernel (``EmulationMxfp8LinearKernel``:
+    the codes times the E8M0 scales in BF16 at load, BF16 activations) is registered for the CPU platform first.
+    Returns the loaded weights under Hugging Face names (fused q/k/v and gate/up split), the answers and the loader
+    in words."""
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.model_executor.kernels.linear import _POSSIBLE_MXFP8_KERNELS, register_linear_kernel
+    from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8LinearKernel
+    from vllm.platforms import current_platform
+
+    from rollout.engine import _ProcessStateGuard
+
+    how = "its MXFP8 kernels"
+    if not current_platform.is_cuda():
+        if EmulationMxfp8LinearKernel not in _POSSIBLE_MXFP8_KERNELS.get(current_platform._enum, []):
+            register_linear_kernel(EmulationMxfp8LinearKernel, current_platform._enum, "mxfp8")
+        how = "its emulation kernel on this CPU: codes x E8M0 scales in BF16 at load, BF16 activations"
+    vc = cfg.policy.generation.vllm_cfg
+    kwargs = {"kv_cache_memory_bytes": vc.kv_cache_memory_bytes} if vc.kv_cache_memory_bytes is not None else {}
+    with _ProcessStateGuard():
+        llm = LLM(model=str(out), dtype="bfloat16", max_model_len=vc.max_model_len, enforce_eager=True, seed=0,
+                  enable_prefix_caching=False, **kwargs)
+    try:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
+                            SamplingParams(temperature=0.0, max_tokens=max_new_tokens), use_tqdm=False)
+        answers = [{"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text} for o in outs]
+        (weights,) = llm.apply_model(_hf_named_weights)  # one result per worker: one here
+    finally:
+        del llm
+    return weights, answers, f"vLLM {vllm.__version__} ModelOpt MXFP8 ({how})"
+
+
+def _hf_named_weights(model) -> dict:
+    """A vLLM model's weights under Hugging Face names: fused parameters (``qkv_proj``, ``gate_up_proj``: the
+    model's ``packed_modules_mapping``) split into their parts by the layer's output sizes, vocabulary rows padded
+    by vLLM dropped."""
+    import torch
+
+    packed = getattr(model, "packed_modules_mapping", {})
+    out = {}
+    for name, mod in model.named_modules():
+        w = getattr(mod, "weight", None)
+        if not isinstance(w, torch.nn.Parameter):
+            continue
+        w = w.data.detach().cpu()
+        if getattr(mod, "org_vocab_size", None):  # embeddings / output projection
+            w = w[:mod.org_vocab_size]
+        head, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        if leaf in packed:
+            row = 0
+            for part, size in zip(packed[leaf], mod.output_partition_sizes, strict=True):
+                out[f"{head}.{part}.weight"] = w[row:row + size].clone()
+                row += size
+        else:
+            out[f"{name}.weight"] = w.clone()
     return out
 
 
@@ -303,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--endpoint-url", help="S3 endpoint for s3:// checkpoints (credentials from the environment)")
     ex.add_argument("--eval", action="store_true",
                     help="after exporting, load the export back (fp8core: the rollout engine, no refit; vllm: "
-                         "transformers' fine-grained FP8 loader), answer validation prompts with it and with the "
+                         "transformers' fine-grained FP8 loader, or for mxfp8 vLLM's MXFP8 method), answer validation prompts with it and with the "
                          "checkpoint's own policy, and print both accuracies with CIs and the largest weight "
                          "difference (needs --recipe)")
     ex.add_argument("--eval-data", help="validation JSONL/Parquet for --eval (default: the recipe's data.validation_path)")

@@ -179,3 +179,50 @@ def test_export_eval_needs_the_recipe(trained, tmp_path, capsys):
 
     assert main(["export", trained["uri"], str(tmp_path / "o"), "--eval"]) == 2
     assert "--eval needs --recipe" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_export_eval_mxfp8_vllm_layout_loads_through_vllms_own_mxfp8_method(tmp_path, capsys):
+    """``export --layout vllm --eval`` of an mxfp8 checkpoint: ModelOpt's MXFP8 layout (E4M3 codes, E8M0 scale bytes
+    ``[N, K/32]``, BF16-kept layers and lm_head excluded), which vLLM's own ModelOpt MXFP8 config parses and its
+    loader reads; on a CPU its emulation kernel holds each weight as codes x scale in BF16, which is exactly the
+    trainer's codes x scales (E4M3 x a power of two fits BF16), and the export answers the validation prompts."""
+    import random
+
+    from safetensors import safe_open
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptMxFp8Config
+
+    from diagnostics.mismatch import quick_sft_model
+    from rewards.math_task import make_problem
+    from tools.fp8_export import main
+    from trainer.policy import PolicyWorker
+
+    recipe = str(ROOT / "configs" / "tiny_mxfp8_e2e.yaml")
+    overrides = ["policy.precision=float32", "policy.megatron_cfg.fp8_cfg.num_first_layers_in_bf16=1",
+                 "policy.generation.vllm_cfg.kv_cache_memory_bytes=16777216", "policy.generation.max_new_tokens=16",
+                 f"run_dir={tmp_path / 'run'}"]
+    cfg = load_config(recipe, overrides)
+    policy = PolicyWorker(quick_sft_model(MODELS), cfg, run_dir=cfg.run_dir)
+    uri = policy.save_checkpoint(str(tmp_path / "ck"), 3, extra={"rollout_fp8_spec": asdict(cfg.rollout_fp8_spec())})
+    rng = random.Random(5)
+    data = tmp_path / "validation.jsonl"
+    data.write_text("".join(json.dumps({"question": p["question"], "answer": str(p["answer"])}) + "\n"
+                            for p in (make_problem(rng) for _ in range(6))))
+    out = tmp_path / "export"
+    rc = main(["export", uri, str(out), *overrides, "--layout", "vllm", "--recipe", recipe, "--eval", "--eval-data",
+               str(data), "--eval-prompts", "6"])
+    text, err = capsys.readouterr()
+    assert rc == 0, text + err
+    qc = ModelOptMxFp8Config.from_config(json.loads((out / "config.json").read_text())["quantization_config"])
+    assert qc.get_name() == "modelopt_mxfp8"
+    assert qc.is_layer_excluded("model.layers.0.self_attn.qkv_proj") and qc.is_layer_excluded("lm_head")
+    assert not qc.is_layer_excluded("model.layers.1.mlp.gate_up_proj")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        w, s = f.get_tensor("model.layers.1.mlp.down_proj.weight"), f.get_tensor("model.layers.1.mlp.down_proj.weight_scale")
+        assert "model.layers.1.mlp.down_proj.weight_scale_inv" not in f.keys()
+    q = policy.model.get_submodule("model.layers.1.mlp.down_proj").quantized_weight()
+    assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.uint8 and s.shape == (w.shape[0], w.shape[1] // 32)
+    assert torch.equal(torch.exp2(s.float() - 127), q.scale)  # the E8M0 bytes are the trainer's scales
+    line = next(ln for ln in text.splitlines() if ln.startswith("export parity on 6 validation prompts"))
+    assert "ModelOpt MXFP8" in line and "emulation kernel" in line, line
+    assert "largest weight difference 0 (0 in the loader's dtype)" in line, line
+    assert "tensors in one only" not in line, line
