@@ -11,6 +11,7 @@ Rows (ratios; lower is better unless said otherwise):
 * quantize throughput / copy throughput (target >= 25%); FP8 linear fwd+bwd / torch's native BF16 linear (BF16
   input and weight; target <= 1.5 on AVX-512 BF16, <= 2.0 on AMX) at the tiny model's shapes and at 1024 -> 4096;
   BF16 linear (autocast, emulated) / FP32.
+* with ``--mxfp8``: the end-to-end MXFP8 recipe's step (configs/tiny_mxfp8_e2e.yaml) over blockwise FP8's.
 * refit share of the step; the step's profile (old-logprob pass, train forward/backward, optimizer, rollout,
   reward, refit), medians of steps 2..N.
 Project steps are timed in-process (bench/step.py: no Prefect/Ray/MLflow). The orchestration rows come from a short
@@ -37,7 +38,7 @@ import process.quiet  # noqa: F401  third-party start-up noise off before transf
 from bench.workload import ROOT
 from tools.results import add_results_doc_args, results_doc, shown, stamp, write_result
 
-RECIPES = {"bf16": "configs/tiny_bf16.yaml", "fp8": "configs/tiny_fp8_e2e.yaml"}
+RECIPES = {"bf16": "configs/tiny_bf16.yaml", "fp8": "configs/tiny_fp8_e2e.yaml", "mxfp8": "configs/tiny_mxfp8_e2e.yaml"}
 # the project's step sides: (recipe, overrides); bf16_native = the BF16 reference with a native BF16 trainer (torch's
 # BF16 GEMMs on the CPU's BF16 units): FP8 against the fastest BF16 the CPU has
 SIDES = {"bf16": (RECIPES["bf16"], ()), "fp8": (RECIPES["fp8"], ()),
@@ -149,7 +150,8 @@ def table(res: dict) -> str:
     t = trl["median_step_s"] if trl else None
     if t:
         rows.append(f"| TRL GRPOTrainer step (s, median of steps 2..) | {t:.2f} | |")
-    for name, s in (("bf16", bf), ("fp8", f8), ("bf16_native", bn)):
+    mx = steps.get("mxfp8", {}).get("median", {}).get("step_s")
+    for name, s in (("bf16", bf), ("fp8", f8), ("bf16_native", bn), ("mxfp8", mx)):
         if s is not None:
             mode = steps[name].get("bf16_mode")
             what = "BF16 reference, native BF16 trainer" if name == "bf16_native" else f"trainer bf16_mode {mode}"
@@ -159,6 +161,8 @@ def table(res: dict) -> str:
         rows.append(f"| P3: FP8 step / BF16 step | {f8 / bf:.2f} | <= 1.15 |")
     if bn and f8:
         rows.append(f"| FP8 step / BF16 step with a native BF16 trainer | {f8 / bn:.2f} | |")
+    if mx and f8:
+        rows.append(f"| MXFP8 step (1x32 groups, E8M0 scales) / FP8 blockwise step | {mx / f8:.2f} | |")
     for name in ("bf16", "fp8"):
         med = steps.get(name, {}).get("median")
         if med:
@@ -241,6 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="RL steps per side (medians use steps 2..N)")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--skip-steps", action="store_true", help="numerics only")
+    p.add_argument("--mxfp8", action="store_true",
+                   help="also time the end-to-end MXFP8 recipe's step (configs/tiny_mxfp8_e2e.yaml) beside blockwise's")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-bench" / "bin" / "python"))
     p.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI",
                                                              f"sqlite:///{ROOT / 'runs' / 'bench' / 'mlflow.db'}"))
@@ -281,8 +287,9 @@ def main(argv=None) -> int:
         res["steps_per_side"] = args.steps
         if not args.skip_trl:
             res["trl"] = run_trl(args.trl_python, w, args.steps)
+        sides = {**SIDES, **({"mxfp8": (RECIPES["mxfp8"], ())} if args.mxfp8 else {})}
         res["steps"] = {name: run_project(recipe, w, steps=args.steps, overrides=extra)
-                        for name, (recipe, extra) in SIDES.items()}
+                        for name, (recipe, extra) in sides.items()}
         if args.flow_steps:
             from bench.flow_run import run_flow
 
@@ -297,6 +304,8 @@ def main(argv=None) -> int:
         ratios["p3_fp8_over_bf16"] = meds["fp8"] / meds["bf16"]
     if "fp8" in meds and "bf16_native" in meds:
         ratios["fp8_over_bf16_native"] = meds["fp8"] / meds["bf16_native"]
+    if "fp8" in meds and "mxfp8" in meds:
+        ratios["mxfp8_over_fp8"] = meds["mxfp8"] / meds["fp8"]
     res["ratios"] = ratios
     res["load_average_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     res["table"] = table(res)

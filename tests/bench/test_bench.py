@@ -40,6 +40,10 @@ def test_table_ratios():
            "3.1% | <= 5% |" in with_flow
     assert "| refit + KV calibration share of the FP8 flow step | 1.2% | <= 3% |" in with_flow
     assert "workers up 9.5 s) | 21.2 s |" in with_flow and "| 0.5 / 1.2 |" in with_flow
+    assert "MXFP8" not in t  # its side runs with --mxfp8 only
+    mx = _res()
+    mx["steps"]["mxfp8"] = {"median": {**mx["steps"]["fp8"]["median"], "step_s": 4.5}, "bf16_mode": "emulated"}
+    assert "| MXFP8 step (1x32 groups, E8M0 scales) / FP8 blockwise step | 1.25 | |" in B.table(mx)
 
 
 def test_results_file(tmp_path):
