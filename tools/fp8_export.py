@@ -393,9 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--endpoint-url", help="S3 endpoint for s3:// checkpoints (credentials from the environment)")
     ex.add_argument("--eval", action="store_true",
                     help="after exporting, load the export back (fp8core: the rollout engine, no refit; vllm: "
-                         "transformers' fine-grained FP8 loader, or for mxfp8 vLLM's MXFP8 method), answer validation prompts with it and with the "
-                         "checkpoint's own policy, and print both accuracies with CIs and the largest weight "
-                         "difference (needs --recipe)")
+                         "transformers' fine-grained FP8 loader, or vLLM's MXFP8 method for mxfp8), answer "
+                         "validation prompts with it and with the checkpoint's own policy, and print both accuracies "
+                         "with CIs and the largest weight difference (needs --recipe)")
     ex.add_argument("--eval-data", help="validation JSONL/Parquet for --eval (default: the recipe's data.validation_path)")
     ex.add_argument("--eval-prompts", type=int, default=200, help="validation prompts for --eval (default 200)")
     args = ap.parse_args(argv)
