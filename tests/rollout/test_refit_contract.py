@@ -334,7 +334,8 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("recipe,pow2,first,last", [("blockwise", True, 1, 1), ("rowwise", False, 0, 1)])
+@pytest.mark.parametrize("recipe,pow2,first,last", [("blockwise", True, 1, 1), ("rowwise", False, 0, 1),
+                                                     ("mxfp8", True, 1, 0)])  # E8M0 scales through both loaders
 def test_in_place_refit_equals_vllms_reload(model_dir, tmp_path, recipe, pow2, first, last):
     """A served refit copied in place (rollout/inplace_refit.py, the default) leaves every engine parameter and
     every FP8 linear's output what vLLM's layerwise reload leaves, from a different engine state each time; a refit
