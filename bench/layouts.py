@@ -107,7 +107,8 @@ def predict_engines(recipe: str, overrides: list[str], gpus_gb: list[float]) -> 
     return [{"recipe": Path(recipe).stem, "gpu_gb": g, "utilization": vc.gpu_memory_utilization,
              "kv_dtype": vc.kv_cache_dtype, "max_model_len": vc.max_model_len, "max_num_seqs": vc.max_num_seqs, "fp8_layers": fp8_layers, "layers": shape.layers,
              **predict_engine(shape, fp8_layers=fp8_layers, kv_bytes_per_token=per_token, gpu_bytes=g * GB,
-                              utilization=vc.gpu_memory_utilization)} for g in gpus_gb]
+                              utilization=vc.gpu_memory_utilization,
+                              recipe=spec.recipe if spec else "blockwise")} for g in gpus_gb]
 
 
 def predict_refits(recipe: str, overrides: list[str]) -> dict:
@@ -123,7 +124,8 @@ def predict_refits(recipe: str, overrides: list[str]) -> dict:
                                                               spec.num_last_layers_in_bf16))
     n, m = cfg.cluster.rollout_workers, cfg.cluster.policy_workers
     return {"recipe": Path(recipe).stem, "engines": n, "trainers": m,
-            **predict_refit(shape, fp8_layers=fp8_layers, engines=n, trainers=m)}
+            **predict_refit(shape, fp8_layers=fp8_layers, engines=n, trainers=m,
+                            recipe=spec.recipe if spec else "blockwise")}
 
 
 def refit_table(rows: list[dict]) -> str:

@@ -178,39 +178,53 @@ def predict_peak(shape: ModelShape, *, world: int, micro_batch_tokens: int, micr
     return terms
 
 
-def _layer_bytes(shape: ModelShape, fp8: bool) -> float:
-    """One decoder layer as the engine holds it: its linears 1 B per parameter + an FP32 scale per 128x128 block
-    when FP8 (2 B otherwise), norms 2 B, the router 4 B."""
+def scale_bytes(recipe: str, *, held: bool) -> float:
+    """Dequantization-scale bytes per FP8 weight of a recipe's weights: blockwise one FP32 per 128x128 block; mxfp8
+    one per 1x32 group, served (refit, export) as an E8M0 byte and ``held`` by the engine as FP32, what its GEMMs
+    read (fp8core.serve.served_scale_dtype). The GPU recipes are blockwise or mxfp8."""
+    if recipe == "blockwise":
+        return F32 / (128 * 128)
+    if recipe == "mxfp8":
+        return (F32 if held else 1) / 32
+    raise ValueError(f"the memory model knows the GPU recipes' weight scales (blockwise, mxfp8), not {recipe!r}")
+
+
+def _layer_bytes(shape: ModelShape, fp8: bool, scale: float = F32 / (128 * 128)) -> float:
+    """One decoder layer: its linears 1 B per parameter + ``scale`` bytes of scales per parameter when FP8 (2 B
+    otherwise), norms 2 B, the router 4 B."""
     router = shape.hidden * shape.experts
     linear = shape.attention_params + shape.mlp_params
     if not fp8:
         return 2 * (shape.layer_params - router) + F32 * router
-    return linear * (1 + F32 / (128 * 128)) + 2 * (shape.layer_params - linear - router) + F32 * router
+    return linear * (1 + scale) + 2 * (shape.layer_params - linear - router) + F32 * router
 
 
-def served_bytes(shape: ModelShape, fp8_layers: int) -> float:
-    """The served state's bytes (fp8core.serve): what an engine holds and a refit ships -- ``fp8_layers`` FP8
-    decoder layers, the rest BF16, embeddings, final norm and output projection BF16."""
-    return (fp8_layers * _layer_bytes(shape, True) + (shape.layers - fp8_layers) * _layer_bytes(shape, False)
+def served_bytes(shape: ModelShape, fp8_layers: int, recipe: str = "blockwise", *, held: bool = False) -> float:
+    """The served state's bytes (fp8core.serve): what a refit ships (``held``: what an engine holds, the same but
+    for mxfp8's scales) -- ``fp8_layers`` FP8 decoder layers, the rest BF16, embeddings, final norm and output
+    projection BF16."""
+    scale = scale_bytes(recipe, held=held)
+    return (fp8_layers * _layer_bytes(shape, True, scale) + (shape.layers - fp8_layers) * _layer_bytes(shape, False)
             + 2 * shape.root_params)
 
 
 def predict_engine(shape: ModelShape, *, fp8_layers: int, kv_bytes_per_token: int, gpu_bytes: float,
-                   utilization: float) -> dict[str, float]:
+                   utilization: float, recipe: str = "blockwise") -> dict[str, float]:
     """A rollout engine's memory on one GPU (bytes): its weights as the FP8 engine holds them on the scaled_mm path
     (rollout.vllm_fp8.fp8_layer_memory measures ~1 byte per FP8 parameter on the tiny engines) -- the FP8 decoder
-    layers' linears 1 B per parameter + an FP32 scale per 128x128 block, the other parameters 2 B (BF16: embeddings,
+    layers' linears 1 B per parameter + their scales (:func:`scale_bytes`), the other parameters 2 B (BF16: embeddings,
     output projection, norms, the BF16-kept layers), routers 4 B (FP32) -- and what vLLM's budget
     (``utilization`` x the GPU) leaves for the KV cache, in tokens. vLLM's activation workspace and CUDA graphs come
     out of that budget too and are not counted (vLLM profiles them at start-up)."""
     fp8 = fp8_layers * (shape.attention_params + shape.mlp_params)
-    weights = served_bytes(shape, fp8_layers)
+    weights = served_bytes(shape, fp8_layers, recipe, held=True)
     kv_room = utilization * gpu_bytes - weights
     return {"fp8_params": float(fp8), "weights": float(weights), "budget": utilization * gpu_bytes,
             "kv_room": kv_room, "kv_tokens": max(0.0, kv_room) / kv_bytes_per_token}
 
 
-def predict_refit(shape: ModelShape, *, fp8_layers: int, engines: int, trainers: int) -> dict[str, float]:
+def predict_refit(shape: ModelShape, *, fp8_layers: int, engines: int, trainers: int,
+                  recipe: str = "blockwise") -> dict[str, float]:
     """One refit's bytes and the memory it adds per process (bytes), for both transports (cluster.refit_transport),
     from the model's shape: what bench.refit measures on CPU at 2.9M-103M, extrapolated (seconds are not).
 
@@ -221,8 +235,8 @@ def predict_refit(shape: ModelShape, *, fp8_layers: int, engines: int, trainers:
     tensors) plus the loader's FP32 staging of the largest FP8 layer (4 B per code). Object store: rank 0 gathers the
     FP32 state (4 B x P x (M - 1) / M cross) and holds it with S and S's serialized copy (4 P + 2 S); each of the N
     engines fetches S and holds it with the same staging."""
-    served = served_bytes(shape, fp8_layers)
-    largest = max(_layer_bytes(shape, True) if fp8_layers else 0.0,
+    served = served_bytes(shape, fp8_layers, recipe)
+    largest = max(_layer_bytes(shape, True, scale_bytes(recipe, held=False)) if fp8_layers else 0.0,
                   _layer_bytes(shape, False) if fp8_layers < shape.layers else 0.0, 2 * shape.vocab * shape.hidden)
     staging = F32 * (shape.attention_params + shape.mlp_params) if fp8_layers else 0.0
     return {"served": served, "largest_bucket": largest,

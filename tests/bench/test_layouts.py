@@ -35,13 +35,15 @@ def test_command_prints_every_recipe_with_and_without_checkpointing(monkeypatch,
     lay them out (checkpointing on) the 8B trainers fit both, the 30B's 8 ranks the H200 only; without checkpointing
     none fits an H100. Engine rows per GPU size: every recipe's engine fits both."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert main([str(p) for p in sorted(GPU.glob("*.yaml"))] + ["--no-results-doc"]) == 0
+    recipes = sorted(GPU.glob("*.yaml"))
+    assert main([str(p) for p in recipes] + ["--no-results-doc"]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "fp8-e2e" in ln]
-    trainers, engines, refits = rows[:6], rows[6:12], rows[12:]
-    assert len(trainers) == 6 and len(engines) == 6 and all(ln.endswith("| yes |") for ln in engines)
+    n = len(recipes)  # two rows each: checkpointing on / off, two GPU sizes, two transports
+    trainers, engines, refits = rows[:2 * n], rows[2 * n:4 * n], rows[4 * n:]
+    assert len(trainers) == 2 * n and len(engines) == 2 * n and all(ln.endswith("| yes |") for ln in engines)
     # refit rows: per recipe the collective transport adds a fraction of a GB per trainer rank, the object store
     # the whole FP32 model on rank 0
-    assert len(refits) == 6 and [("| collective |" in ln) for ln in refits] == [True, False] * 3
+    assert len(refits) == 2 * n and [("| collective |" in ln) for ln in refits] == [True, False] * n
     added = [float(ln.split("|")[7]) for ln in refits]
     assert all(c < 1.0 < o for c, o in zip(added[::2], added[1::2], strict=True))
     laid_out = [ln for ln in trainers if "| on |" in ln]
@@ -79,3 +81,28 @@ def test_refit_prediction_serves_what_the_trainer_serves():
     assert r["moved_collective"] == 2 * r["served"] < r["moved_object_store"]
     assert r["trainer_object_store"] >= 4 * sum(p.numel() for p in model.parameters())
     assert r["largest_bucket"] == 2 * shape.vocab * shape.hidden  # the embeddings: larger than a layer here
+
+
+def test_mxfp8_prediction_serves_e8m0_scales_and_the_engine_holds_fp32():
+    """For mxfp8 the served state S is the bytes of the served state dict (E8M0 scales, one byte per 1x32 group),
+    and the engine's weights hold those scales as FP32 (what its GEMMs read): 3 bytes more per 32 FP8 weights."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fp8core.convert import convert_to_fp8
+    from fp8core.linear import FP8LinearConfig
+    from fp8core.serve import served_state_dict
+    from trainer.memory_model import predict_engine, predict_refit
+
+    cfg = Qwen3Config(vocab_size=3000, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=128, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg)
+    convert_to_fp8(model, FP8LinearConfig(recipe="mxfp8", pow2_weight=True, pow2_activation=True),
+                   num_first_layers_in_bf16=1)
+    served = sum(t.numel() * t.element_size() for t in served_state_dict(model).values())
+    shape = ModelShape.from_config(cfg.to_dict())
+    assert predict_refit(shape, fp8_layers=2, engines=2, trainers=2, recipe="mxfp8")["served"] == \
+        pytest.approx(served, rel=1e-6)
+    fp8 = 2 * (shape.attention_params + shape.mlp_params)
+    engine = predict_engine(shape, fp8_layers=2, kv_bytes_per_token=1, gpu_bytes=1e12, utilization=0.5,
+                            recipe="mxfp8")
+    assert engine["weights"] == pytest.approx(served + fp8 * 3 / 32, rel=1e-6)
