@@ -33,8 +33,8 @@ import torch
 from .formats import FP8_DTYPES, FP8_MAX, amax_groups
 from .quant import NON_FINITE, NonFiniteInput, QuantizedTensor, record_nonfinite
 
-__all__ = ["E8M0_BIAS", "MX_BLOCK", "MX_RULES", "MXTensor", "from_quantized", "mx_quantize", "mx_dequantize",
-           "swizzle_scales", "mx_mm", "mx_linear"]
+__all__ = ["E8M0_BIAS", "MX_BLOCK", "MX_RULES", "MXTensor", "e8m0_bytes", "from_quantized", "mx_quantize",
+           "mx_dequantize", "swizzle_scales", "mx_mm", "mx_linear"]
 
 MX_BLOCK = 32
 MX_RULES = ("floor", "rceil")
@@ -116,8 +116,15 @@ def from_quantized(q: QuantizedTensor) -> MXTensor:
     pad = -k % MX_BLOCK
     data = q.data.contiguous()  # row-major: mx_mm hands the second operand to torch transposed (column-major)
     data = torch.nn.functional.pad(data.view(torch.uint8), (0, pad)).view(data.dtype) if pad else data
-    _, e = torch.frexp(q.scale)  # scale = 0.5 x 2**e
-    return MXTensor(data, (e - 1 + E8M0_BIAS).to(torch.uint8), q.fmt, MX_BLOCK)
+    return MXTensor(data, e8m0_bytes(q.scale), q.fmt, MX_BLOCK)
+
+
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two FP32 scales ``2**e`` as their E8M0 bytes ``e + 127`` (uint8; frexp: exact, no host read). A
+    scale that is not a power of two in E8M0's range has no byte: callers that cannot vouch for theirs check the
+    round trip (fp8core.serve.served_scale)."""
+    _, e = torch.frexp(scale)  # scale = 0.5 x 2**e
+    return (e - 1 + E8M0_BIAS).to(torch.uint8)
 
 
 def mx_dequantize(q: MXTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

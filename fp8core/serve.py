@@ -21,6 +21,7 @@ from torch import nn
 
 from fp8core.linear import FP8Linear, WeightCache
 from fp8core.moe import PARTS, FP8Experts, FP32Router, checkpoint_state_dict
+from fp8core.mx import e8m0_bytes
 
 __all__ = ["SCALE_SUFFIX", "served_recipes", "served_scale", "served_scale_dtype", "served_state_dict",
            "scale_from_served"]
@@ -38,8 +39,10 @@ def served_scale_dtype(granularity: str) -> torch.dtype:
 def served_scale(scale: torch.Tensor, granularity: str) -> torch.Tensor:
     """``scale`` (FP32) in its served dtype; an E8M0 scale must be exact (a power of two in E8M0's range)."""
     dtype = served_scale_dtype(granularity)
-    out = scale.to(dtype)
-    if dtype != torch.float32 and not torch.equal(out.float(), scale.float()):
+    if dtype == torch.float32:
+        return scale.float()
+    out = e8m0_bytes(scale.float()).view(dtype)
+    if not torch.equal(out.float(), scale.float()):
         raise ValueError(f"{granularity} scales are served as E8M0 and must be powers of two in [2**-127, 2**127]; "
                          "quantize with power-of-two scales (mxfp8 requires them)")
     return out
